@@ -1,0 +1,243 @@
+"""The one settings schema every lorafleet service reads.
+
+Trainer, replicas and proxy all load this class from the same environment (and `.env`), so
+MAX_STALENESS, LORA_RANK and ADAPTER_ROOT can never disagree between them. Values derived
+from several settings (`max_loras`, `max_lora_rank`) are computed here and nowhere else.
+
+Every field maps to the environment variable of the same name in upper case. The field's
+`description` is the documentation: the README table and `.env.example` are checked against it.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, computed_field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# vLLM accepts only these values for --max-lora-rank (vllm/config/lora.py, TRL's VLLM_LORA_RANKS).
+VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the environment variable."""
+
+
+def round_lora_rank(rank: int) -> int:
+    """Smallest rank vLLM accepts for --max-lora-rank that still serves an adapter of `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest --max-lora-rank ({VLLM_LORA_RANKS[-1]})")
+
+
+def _csv(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+class Settings(BaseSettings):
+    """Every knob of the stack. Grouped by the service that mostly uses it; all services read all."""
+
+    model_config = SettingsConfigDict(env_file=".env", env_file_encoding="utf-8", extra="ignore", frozen=True)
+
+    # --- shared: model, adapters, policy versions -------------------------------------------
+    base_model: str = Field(
+        "Qwen/Qwen2.5-Math-1.5B",
+        description="Base model served by every replica and trained by the trainer (Hub id or local directory).",
+    )
+    adapter_root: Path = Field(
+        Path("/adapters"),
+        description="Shared adapter volume, mounted at this same absolute path in every service.",
+    )
+    run_name: str = Field("run1", description="Run folder under ADAPTER_ROOT/runs/ for adapters and checkpoints.")
+    lora_rank: int = Field(1, ge=1, description="LoRA rank r of the trained adapter (<= 512).")
+    lora_alpha: int = Field(2, ge=1, description="LoRA alpha (scaling = alpha / r).")
+    max_staleness: int = Field(
+        4, ge=0, description="Policy versions a rollout may lag behind; replicas get max_staleness + 2 LoRA slots."
+    )
+    weight_sync_steps: int = Field(4, ge=1, description="Optimizer steps between adapter publications.")
+    max_model_len: int = Field(4096, ge=16, description="Context length served by the replicas (prompt + completion).")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level of every service.")
+
+    # --- replicas ---------------------------------------------------------------------------
+    replica_device: Literal["gpu", "cpu"] = Field(
+        "gpu", description="gpu: each replica claims one GPU from VLLM_GPUS; cpu: one core set from VLLM_CPU_SETS."
+    )
+    vllm_gpus: str = Field("0", description="GPU pool the replicas claim from, one GPU each (e.g. 2,3,4,5).")
+    vllm_cpu_sets: str = Field(
+        "0", description="CPU mode: core sets the replicas claim from, separated by ';' (e.g. 0;1 or 0-3;4-7)."
+    )
+    vllm_cpu_kv_cache_bytes: int = Field(
+        134_217_728, ge=1_048_576, description="CPU mode: KV cache size per replica in bytes (128 MiB fits tiny models)."
+    )
+    vllm_host: str = Field("0.0.0.0", description="Address each replica's vLLM server binds to.")
+    vllm_port: int = Field(8000, ge=1, le=65535, description="Port each replica's vLLM server listens on.")
+    vllm_dtype: str = Field("auto", description="--dtype for vLLM (float32 for exact trainer/server logprob ratios).")
+    vllm_gpu_memory_utilization: float = Field(
+        0.85, gt=0.0, le=1.0, description="GPU mode: fraction of the GPU's memory vLLM may use."
+    )
+    vllm_extra_args: str = Field("", description="Extra arguments appended verbatim to every `vllm serve` command.")
+
+    # --- proxy ------------------------------------------------------------------------------
+    proxy_upstreams: str = Field("", description="Comma-separated replica base URLs (static discovery).")
+    proxy_upstream_dns: str = Field(
+        "", description="host:port re-resolved every PROXY_DNS_INTERVAL_S; every address is a replica (Compose)."
+    )
+    proxy_upstream_token: str = Field("", description="Bearer token the proxy sends to replicas (remote replicas).")
+    proxy_host: str = Field("0.0.0.0", description="Address the proxy's ports bind to.")
+    proxy_port: int = Field(8000, ge=1, le=65535, description="Fleet port: internal network, no credentials (trainer).")
+    proxy_public_port: int = Field(
+        8080, ge=1, le=65535, description="Public port; needs PROXY_API_KEY, every request a Bearer key."
+    )
+    proxy_api_key: str = Field("", description="Bearer key of the public port. Empty = no public port. SECRET.")
+    proxy_routing: Literal["affinity", "least_loaded", "round_robin"] = Field(
+        "affinity", description="Rollout routing: KV-prefix affinity, or the least_loaded / round_robin baselines."
+    )
+    proxy_imbalance: int = Field(
+        8, ge=0, description="Affinity yields to the least-loaded replica when it is this many requests ahead."
+    )
+    proxy_block_size: int = Field(
+        0, ge=0, description="Routing block size in tokens; 0 = the replicas' KV block size (fallback 16)."
+    )
+    proxy_max_tracked_blocks: int = Field(
+        200_000, ge=1000, description="Routing table cap (blocks); least recently used are forgotten first."
+    )
+    proxy_lora_load_timeout_s: float = Field(
+        300.0, gt=0, description="Deadline for a fleet-wide adapter load (retries 'No adapter found')."
+    )
+    proxy_min_ready: int = Field(1, ge=1, description="Ready replicas needed for the proxy's /health to be 200.")
+    proxy_health_interval_s: float = Field(2.0, gt=0, description="Seconds between health checks of each replica.")
+    proxy_eject_after: int = Field(2, ge=1, description="Consecutive failed health checks that eject a replica.")
+    proxy_dns_interval_s: float = Field(5.0, gt=0, description="Seconds between DNS re-resolutions of replicas.")
+    proxy_request_timeout_s: float = Field(
+        900.0, gt=0, description="Read timeout of one routed request to a replica."
+    )
+
+    # --- trainer ----------------------------------------------------------------------------
+    trainer_recipe: Literal["math", "tiny", "jsonl"] = Field(
+        "math", description="math: the published MATH recipe; tiny: offline tiny model task; jsonl: DATASET_PATH."
+    )
+    dataset_path: str = Field("", description="Local JSONL/Parquet dataset (columns: problem, solution) for jsonl.")
+    trainer_vllm_url: str = Field("http://proxy:8000", description="The proxy's fleet port as the trainer reaches it.")
+    learning_rate: float = Field(4e-5, gt=0, description="Optimizer learning rate.")
+    num_generations: int = Field(8, ge=2, description="Rollouts per prompt (GRPO group size).")
+    token_budget: int = Field(16384, ge=0, description="Tokens per packed micro-batch; 0 = fixed count batching.")
+    gradient_accumulation_steps: int = Field(6, ge=1, description="Micro-batches per optimizer step.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (saves memory).")
+    max_inflight_per_replica: int = Field(128, ge=1, description="In-flight rollouts per replica (times replicas).")
+    queue_maxsize: int = Field(0, ge=0, description="Scored-rollout queue size; 0 = 2 x in-flight rollouts.")
+    max_completion_length: int = Field(3000, ge=1, description="Generated tokens per rollout at most.")
+    temperature: float = Field(1.0, gt=0, description="Rollout sampling temperature.")
+    max_steps: int = Field(500, ge=1, description="Optimizer steps to train.")
+    save_steps: int = Field(50, ge=1, description="Checkpoint every this many steps (resume after preemption).")
+    seed: int = Field(0, description="Training seed.")
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_name_is_a_folder_name(cls, value: str) -> str:
+        if not RUN_NAME_PATTERN.match(value):
+            raise ValueError(f"must match {RUN_NAME_PATTERN.pattern} (a plain folder name)")
+        return value
+
+    @field_validator("adapter_root")
+    @classmethod
+    def _adapter_root_is_absolute(cls, value: Path) -> Path:
+        if not value.is_absolute():
+            raise ValueError("must be an absolute path (replicas must see adapters at the same path)")
+        return value
+
+    @field_validator("lora_rank")
+    @classmethod
+    def _rank_is_servable(cls, value: int) -> int:
+        round_lora_rank(value)
+        return value
+
+    @field_validator("vllm_gpus")
+    @classmethod
+    def _gpu_pool_is_ids(cls, value: str) -> str:
+        ids = _csv(value)
+        if not ids or not all(item.isdigit() for item in ids) or len(set(ids)) != len(ids):
+            raise ValueError("must be distinct GPU indices separated by commas, e.g. 0,1,2")
+        return value
+
+    @field_validator("vllm_cpu_sets")
+    @classmethod
+    def _cpu_sets_are_core_lists(cls, value: str) -> str:
+        sets = [item.strip() for item in value.split(";") if item.strip()]
+        if not sets or not all(re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", item) for item in sets):
+            raise ValueError("must be core sets separated by ';', each like 0 or 0-3 or 0,2")
+        return value
+
+    @field_validator("proxy_upstreams")
+    @classmethod
+    def _upstreams_are_urls(cls, value: str) -> str:
+        for url in _csv(value):
+            if not re.match(r"^https?://[^/\s]+", url):
+                raise ValueError(f"{url!r} is not an http(s) URL")
+        return value
+
+    @field_validator("proxy_upstream_dns")
+    @classmethod
+    def _dns_is_host_port(cls, value: str) -> str:
+        if value and not re.fullmatch(r"[A-Za-z0-9.-]+:\d{1,5}", value):
+            raise ValueError("must be host:port, e.g. vllm:8000")
+        return value
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> Settings:
+        if self.proxy_api_key and self.proxy_port == self.proxy_public_port:
+            raise ValueError("PROXY_PORT and PROXY_PUBLIC_PORT must differ")
+        return self
+
+    # --- derived values: computed here, used everywhere ---------------------------------------
+    @computed_field  # type: ignore[prop-decorator]
+    @cached_property
+    def max_loras(self) -> int:
+        """LoRA slots per replica: max_staleness + 1 versions can be in flight, and a sync loads before it unloads."""
+        return self.max_staleness + 2
+
+    @computed_field  # type: ignore[prop-decorator]
+    @cached_property
+    def max_lora_rank(self) -> int:
+        """--max-lora-rank for the replicas: the adapter rank rounded up to a value vLLM accepts."""
+        return round_lora_rank(self.lora_rank)
+
+    @property
+    def upstream_urls(self) -> list[str]:
+        """Static replica URLs, without trailing slashes."""
+        return [url.rstrip("/") for url in _csv(self.proxy_upstreams)]
+
+    @property
+    def gpu_pool(self) -> list[str]:
+        return _csv(self.vllm_gpus)
+
+    @property
+    def cpu_pool(self) -> list[str]:
+        return [item.strip() for item in self.vllm_cpu_sets.split(";") if item.strip()]
+
+    @property
+    def run_dir(self) -> Path:
+        return self.adapter_root / "runs" / self.run_name
+
+
+def env_name(field: str) -> str:
+    """The environment variable that sets `field`."""
+    return field.upper()
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Read the settings, turning validation errors into one ConfigError that names each variable."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            where = ".".join(str(part) for part in error["loc"]) or "settings"
+            message = error["msg"].removeprefix("Value error, ")
+            problems.append(f"{env_name(where)}: {message} (got {error.get('input')!r})")
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems)) from None
