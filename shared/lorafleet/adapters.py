@@ -64,7 +64,9 @@ def confine(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path:
         candidate = real_root / candidate
     resolved = candidate.resolve()
     if resolved != real_root and real_root not in resolved.parents:
-        raise AdapterPathError(f"adapter path {os.fspath(path)!r} resolves to {resolved}, outside the adapter root {real_root}")
+        raise AdapterPathError(
+            f"adapter path {os.fspath(path)!r} resolves to {resolved}, outside the adapter root {real_root}"
+        )
     return resolved
 
 

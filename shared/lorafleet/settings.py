@@ -73,10 +73,11 @@ class Settings(BaseSettings):
         "0", description="CPU mode: core sets the replicas claim from, separated by ';' (e.g. 0;1 or 0-3;4-7)."
     )
     vllm_cpu_kv_cache_bytes: int = Field(
-        134_217_728, ge=1_048_576, description="CPU mode: KV cache size per replica in bytes (128 MiB fits tiny models)."
+        134_217_728, ge=1_048_576, description="CPU mode: KV cache bytes per replica (128 MiB fits the tiny model)."
     )
-    vllm_host: str = Field("0.0.0.0", description="Address each replica's vLLM server binds to.")
-    vllm_port: int = Field(8000, ge=1, le=65535, description="Port each replica's vLLM server listens on.")
+    # Not VLLM_HOST/VLLM_PORT: vLLM reads VLLM_PORT itself (its internal communication port).
+    replica_host: str = Field("0.0.0.0", description="Address each replica's vLLM server binds to.")
+    replica_port: int = Field(8000, ge=1, le=65535, description="Port each replica's vLLM server listens on.")
     vllm_dtype: str = Field("auto", description="--dtype for vLLM (float32 for exact trainer/server logprob ratios).")
     vllm_gpu_memory_utilization: float = Field(
         0.85, gt=0.0, le=1.0, description="GPU mode: fraction of the GPU's memory vLLM may use."
@@ -136,6 +137,18 @@ class Settings(BaseSettings):
     max_steps: int = Field(500, ge=1, description="Optimizer steps to train.")
     save_steps: int = Field(50, ge=1, description="Checkpoint every this many steps (resume after preemption).")
     seed: int = Field(0, description="Training seed.")
+    trainer_replicas: int = Field(
+        0, ge=0, description="Replicas behind TRAINER_VLLM_URL; 0 = count the ready ones in the proxy's GET /fleet."
+    )
+    train_batch_size: int = Field(8, ge=1, description="Samples per micro-batch when TOKEN_BUDGET=0.")
+    trainer_precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="auto: bf16 mixed precision on GPU, fp32 on CPU (match the replicas' VLLM_DTYPE)."
+    )
+    trainer_resume: bool = Field(True, description="Resume from the newest checkpoint in the run folder if any.")
+    trainer_report_to: str = Field("none", description="Comma-separated report_to backends (none, wandb, trackio).")
+    trainer_server_timeout_s: float = Field(
+        240.0, gt=0, description="Seconds the trainer waits for TRAINER_VLLM_URL to answer /health."
+    )
 
     @field_validator("run_name")
     @classmethod

@@ -99,7 +99,9 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
-def make_adapter(out_dir: str | Path, model_dir: str | Path, rank: int = 1, seed: int = 0, alpha: int | None = None) -> Path:
+def make_adapter(
+    out_dir: str | Path, model_dir: str | Path, rank: int = 1, seed: int = 0, alpha: int | None = None
+) -> Path:
     """Write a real PEFT LoRA adapter (all-linear) for `model_dir` with random, non-zero A and B.
 
     PEFT's default init (B = 0) would make the adapter reproduce the base model exactly, which

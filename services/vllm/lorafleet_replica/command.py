@@ -1,0 +1,60 @@
+"""Build the `vllm serve` command and environment of one replica from the shared settings.
+
+Everything the fleet relies on is set here and only here: runtime LoRA updating and dev mode on
+(the proxy loads adapters and pauses replicas), --max-loras = max_staleness + 2 and the rounded
+--max-lora-rank (TRL refuses fewer slots, see trl-async-grpo.md section 4), processed logprobs
+(the behaviour policy's logprobs TRL uses as PPO denominator) and vLLM's own generation config.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from lorafleet.settings import Settings
+
+# lorafleet's own settings that share vLLM's VLLM_ prefix. They are removed from the environment
+# handed to vLLM, which would otherwise warn about unknown VLLM_* variables at every start.
+OWN_VLLM_VARIABLES = frozenset(
+    {"VLLM_GPUS", "VLLM_CPU_SETS", "VLLM_CPU_KV_CACHE_BYTES", "VLLM_DTYPE", "VLLM_GPU_MEMORY_UTILIZATION",
+     "VLLM_EXTRA_ARGS"}
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What to exec: argv plus the environment changes on top of the inherited one."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def environment(self, inherited: Mapping[str, str]) -> dict[str, str]:
+        merged = {key: value for key, value in inherited.items() if key not in OWN_VLLM_VARIABLES}
+        merged.update(self.env)
+        return merged
+
+
+def build_launch(settings: Settings, device: str) -> Launch:
+    """The replica's command for the claimed `device` (a GPU index, or a CPU core set in CPU mode)."""
+    argv = [
+        "vllm", "serve", settings.base_model,
+        "--host", settings.replica_host,
+        "--port", str(settings.replica_port),
+        "--enable-lora",
+        "--max-lora-rank", str(settings.max_lora_rank),
+        "--max-loras", str(settings.max_loras),
+        "--max-model-len", str(settings.max_model_len),
+        "--dtype", settings.vllm_dtype,
+        "--logprobs-mode", "processed_logprobs",
+        "--generation-config", "vllm",
+    ]  # fmt: skip
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    if settings.replica_device == "gpu":
+        env["CUDA_VISIBLE_DEVICES"] = device
+        argv += ["--gpu-memory-utilization", str(settings.vllm_gpu_memory_utilization)]
+    else:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = device
+        argv += ["--kv-cache-memory-bytes", str(settings.vllm_cpu_kv_cache_bytes)]
+    argv += shlex.split(settings.vllm_extra_args)
+    return Launch(argv=argv, env=env)

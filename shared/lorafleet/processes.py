@@ -1,0 +1,127 @@
+"""Run lorafleet services as plain local processes (CPU mode): the demo and the integration tests.
+
+The same console scripts the containers run (`lorafleet-replica`, `lorafleet-proxy`,
+`lorafleet-train`) are started with an explicit environment, each in its own process group so
+that stopping one stops vLLM's engine processes too, with its output in a log file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def script(name: str) -> str:
+    """Path of a console script installed next to this interpreter (the venv need not be on PATH)."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+@dataclass
+class Service:
+    """One started process: its name, command, environment and log file."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    url: str = ""
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def start(self) -> Service:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, f"{self.name} was never started"
+        return self.process.pid
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group, as a crash or `docker kill` would."""
+        self.signal_group(signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait(timeout=30)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL it after `grace_s`."""
+        if self.process is None:
+            return
+        self.signal_group(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        # vLLM's engine processes share the group; make sure none outlives the API server.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def wait_healthy(services: Iterable[Service], timeout_s: float = 240.0, path: str = "/health") -> None:
+    """Poll `<url><path>` of every service until all answer 200; fail fast when one dies."""
+    pending = list(services)
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5.0) as client:
+        while pending:
+            for service in list(pending):
+                if not service.alive:
+                    raise RuntimeError(f"{service.name} exited before becoming healthy:\n{service.log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(service.url + path).status_code == 200:
+                        pending.remove(service)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(s.name for s in pending)
+                raise TimeoutError(f"not healthy after {timeout_s:.0f}s: {names}\n{pending[0].log_tail()}")
+            if pending:
+                time.sleep(0.5)
+
+
+def replica_service(name: str, env: Mapping[str, str], log_dir: Path, port: int | None = None) -> Service:
+    """A CPU-mode `lorafleet-replica` on 127.0.0.1:`port` with the given settings environment."""
+    port = port or free_port()
+    full_env = {**os.environ, "REPLICA_DEVICE": "cpu", "REPLICA_HOST": "127.0.0.1", **env,
+                "REPLICA_PORT": str(port)}
+    return Service(name, [script("lorafleet-replica")], full_env, log_dir / f"{name}.log", f"http://127.0.0.1:{port}")
+
+
+def proxy_service(name: str, env: Mapping[str, str], log_dir: Path, port: int | None = None) -> Service:
+    """A `lorafleet-proxy` whose fleet port is 127.0.0.1:`port`."""
+    port = port or free_port()
+    full_env = {**os.environ, "PROXY_HOST": "127.0.0.1", **env, "PROXY_PORT": str(port)}
+    return Service(name, [script("lorafleet-proxy")], full_env, log_dir / f"{name}.log", f"http://127.0.0.1:{port}")

