@@ -125,3 +125,9 @@ def proxy_service(name: str, env: Mapping[str, str], log_dir: Path, port: int | 
     port = port or free_port()
     full_env = {**os.environ, "PROXY_HOST": "127.0.0.1", **env, "PROXY_PORT": str(port)}
     return Service(name, [script("lorafleet-proxy")], full_env, log_dir / f"{name}.log", f"http://127.0.0.1:{port}")
+
+
+def trainer_service(name: str, env: Mapping[str, str], log_dir: Path) -> Service:
+    """A `lorafleet-train` run; its settings (recipe, model, proxy URL, steps) come from `env`."""
+    full_env = {**os.environ, **env}
+    return Service(name, [script("lorafleet-train")], full_env, log_dir / f"{name}.log")

@@ -1,0 +1,235 @@
+"""`lorafleet demo`: the whole topology on CPU, for real, in a few minutes.
+
+Builds the offline tiny model, starts CPU replicas through `lorafleet-replica`, the proxy in front
+of them and the real trainer on the `tiny` recipe; shows live progress; then writes a report
+(JSON and a PNG plot) whose every number comes from this run: the trainer's metrics.jsonl, the
+proxy's /fleet and the replicas' own /metrics. Everything started is stopped on exit, Ctrl-C too.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import httpx
+
+from lorafleet.processes import Service, proxy_service, replica_service, trainer_service, wait_healthy
+from lorafleet.status import adapter_span, latest, read_metrics
+from lorafleet.vllm_api import metric_total
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    out: Path
+    replicas: int = 2
+    steps: int = 30
+    startup_timeout_s: float = 300.0
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [(int(row["step"]), float(row[key])) for row in rows if key in row and "step" in row]
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def progress_line(elapsed: float, steps: int, metrics: list[dict[str, Any]], fleet: dict[str, Any]) -> str:
+    """One line of live progress: training, replicas and their adapters, routing."""
+    replicas = fleet.get("replicas", [])
+    ready = sum(1 for r in replicas if r.get("state") == "ready")
+    router = fleet.get("router", {})
+    routed = int(router.get("routed", 0))
+    hit = f"{100 * router.get('affinity', 0) / routed:.0f}%" if routed else "-"
+    adapters = "; ".join(f"{r.get('state')}: {adapter_span(list(r.get('adapters', {})))}" for r in replicas)
+
+    def fmt(key: str, spec: str) -> str:
+        value = latest(metrics, key)
+        return "-" if value is None else format(value, spec)
+
+    return (
+        f"[{elapsed:5.0f}s] step {fmt('step', 'd')}/{steps}  reward {fmt('reward', '.3f')}  "
+        f"ratio {fmt('ratio', '.4f')}  queue {fmt('sample/rollout_queue_size', '.0f')}  "
+        f"staleness {fmt('sample/staleness_mean', '.2f')}  sync {fmt('perf/weight_sync_s', '.2f')}s | "
+        f"replicas {ready}/{len(replicas)} [{adapters}] | routing affinity {hit} of {routed}"
+    )
+
+
+def replica_cache_stats(urls: list[str]) -> dict[str, Any]:
+    """Prefix-cache queries and hits (tokens) from each replica's own /metrics."""
+    per_replica = {}
+    for url in urls:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        queries = metric_total(text, "vllm:prefix_cache_queries_total")
+        hits = metric_total(text, "vllm:prefix_cache_hits_total")
+        per_replica[url] = {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else None}
+    queries = sum(v["queries"] for v in per_replica.values())
+    hits = sum(v["hits"] for v in per_replica.values())
+    return {"replicas": per_replica, "hit_rate": hits / queries if queries else None}
+
+
+def build_report(metrics: list[dict[str, Any]], fleet: dict[str, Any], cache: dict[str, Any],
+                 wall_s: float) -> dict[str, Any]:
+    rewards = [value for _, value in _series(metrics, "reward")]
+    ratios = [value for _, value in _series(metrics, "ratio")]
+    syncs = [value for _, value in _series(metrics, "perf/weight_sync_s")]
+    window = max(1, min(5, len(rewards) // 3))
+    router = fleet.get("router", {})
+    return {
+        "wall_clock_s": round(wall_s, 1),
+        "steps": latest(metrics, "step"),
+        "reward": {
+            "first_steps_mean": _mean(rewards[:window]),
+            "last_steps_mean": _mean(rewards[-window:]),
+            "window_steps": window,
+        },
+        "importance_ratio": {"min": min(ratios, default=None), "max": max(ratios, default=None)},
+        "weight_sync_s": {"p50": _percentile(syncs, 0.5), "p95": _percentile(syncs, 0.95), "count": len(syncs)},
+        "prefix_cache": cache,
+        "routing": router,
+        "adapters": {
+            "ledger": [entry["name"] for entry in fleet.get("ledger", [])],
+            "loaded_on": {r["url"]: sorted(r.get("adapters", {})) for r in fleet.get("replicas", [])},
+        },
+    }
+
+
+def plot_report(metrics: list[dict[str, Any]], path: Path) -> None:
+    """Reward and weight-sync latency per step, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for axis, key, label in ((top, "reward", "reward"), (bottom, "perf/weight_sync_s", "weight sync (s)")):
+        points = _series(metrics, key)
+        if points:
+            axis.plot(*zip(*points, strict=True), marker="o", markersize=3)
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    bottom.set_xlabel("optimizer step")
+    top.set_title("lorafleet demo: tiny recipe on CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_demo(options: DemoOptions) -> dict[str, Any]:
+    """Start everything, train, report, stop everything. Returns the report."""
+    from lorafleet.tiny import make_tiny_model
+
+    out = options.out.resolve()
+    work = out / "work"
+    adapter_root = work / "adapters"
+    shutil.rmtree(adapter_root, ignore_errors=True)  # a fresh fleet state and run every time
+    logs = out / "logs"
+    started: list[Service] = []
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    begin = time.monotonic()
+    try:
+        _say(f"==> building the offline tiny model in {work / 'tiny'}")
+        model = make_tiny_model(work / "tiny")
+        common = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(adapter_root), "RUN_NAME": "demo",
+                  "MAX_MODEL_LEN": "512", "LOG_LEVEL": "INFO"}
+        cores = ";".join(str(i % 2) if i < 2 else "0-1" for i in range(options.replicas))
+        _say(f"==> starting {options.replicas} CPU replicas (vLLM, float32, runtime LoRA); logs in {logs}")
+        replicas = [
+            replica_service(f"replica-{i + 1}", {**common, "VLLM_DTYPE": "float32", "VLLM_CPU_SETS": cores}, logs)
+            .start()
+            for i in range(options.replicas)
+        ]
+        started += replicas
+        wait_healthy(replicas, timeout_s=options.startup_timeout_s)
+        _say(f"    replicas healthy after {time.monotonic() - begin:.0f}s: {', '.join(r.url for r in replicas)}")
+        proxy = proxy_service("proxy", {**common, "PROXY_UPSTREAMS": ",".join(r.url for r in replicas)}, logs)
+        started.append(proxy.start())
+        wait_healthy([proxy], timeout_s=60)
+        _say(f"==> proxy ready at {proxy.url}; training {options.steps} steps on the tiny recipe")
+        trainer = trainer_service("trainer", {**common, "TRAINER_RECIPE": "tiny", "TRAINER_VLLM_URL": proxy.url,
+                                              "MAX_STEPS": str(options.steps)}, logs)
+        started.append(trainer.start())
+        metrics_path = adapter_root / "runs" / "demo" / "metrics.jsonl"
+        fleet: dict[str, Any] = {}
+        with httpx.Client(timeout=10) as client:
+            while trainer.alive:
+                time.sleep(3)
+                fleet = client.get(proxy.url + "/fleet").json()
+                _say(progress_line(time.monotonic() - begin, options.steps, read_metrics(metrics_path), fleet))
+            fleet = client.get(proxy.url + "/fleet").json()
+        assert trainer.process is not None
+        if trainer.process.returncode != 0:
+            raise RuntimeError(f"the trainer failed (exit {trainer.process.returncode}):\n{trainer.log_tail(60)}")
+        metrics = read_metrics(metrics_path)
+        report = build_report(metrics, fleet, replica_cache_stats([r.url for r in replicas]),
+                              time.monotonic() - begin)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot_report(metrics, out / "report.png")
+        return report
+    finally:
+        if started:
+            _say(f"==> stopping {len(started)} processes")
+        for service in reversed(started):
+            service.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def summary(report: dict[str, Any]) -> str:
+    def num(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    reward, ratio, sync = report["reward"], report["importance_ratio"], report["weight_sync_s"]
+    router = report["routing"]
+    routed = router.get("routed", 0)
+    lines = [
+        f"steps {report['steps']} in {report['wall_clock_s']:.0f}s",
+        f"reward: first {reward['window_steps']} steps {num(reward['first_steps_mean'], '.3f')} -> "
+        f"last {reward['window_steps']} steps {num(reward['last_steps_mean'], '.3f')}",
+        f"importance ratio: {num(ratio['min'], '.4f')} .. {num(ratio['max'], '.4f')}",
+        f"weight sync: p50 {num(sync['p50'], '.2f')}s  p95 {num(sync['p95'], '.2f')}s  ({sync['count']} syncs)",
+        f"prefix cache hit rate (replicas' /metrics): {num(report['prefix_cache']['hit_rate'], '.1%')}",
+        f"routing: {routed} routed, affinity {router.get('affinity', 0)}, spilled {router.get('spilled', 0)}, "
+        f"unmatched {router.get('unmatched', 0)}",
+        f"adapters in the ledger: {adapter_span(report['adapters']['ledger'])}",
+    ]
+    lines += [f"  {url}: {adapter_span(names)}" for url, names in report["adapters"]["loaded_on"].items()]
+    return "\n".join(lines)
+
+
+def main(options: DemoOptions) -> int:
+    try:
+        report = run_demo(options)
+    except KeyboardInterrupt:
+        _say("interrupted: everything started was stopped")
+        return 130
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"lorafleet demo failed: {exc}", file=sys.stderr)
+        return 1
+    _say("\n==> report\n" + summary(report))
+    _say(f"\nwritten: {options.out / 'report.json'} and {options.out / 'report.png'}")
+    return 0
