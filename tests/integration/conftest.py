@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from lorafleet.adapters import adapter_dir
-from lorafleet.processes import Service, replica_service, wait_healthy
+from lorafleet.processes import Service, proxy_service, replica_service, wait_healthy
 from lorafleet.tiny import make_adapter as build_adapter
 from lorafleet.tiny import make_tiny_model
 
@@ -41,10 +41,13 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def make_adapter(tiny_model: Path, adapter_root: Path) -> Callable[..., Path]:
-    """`make_adapter(name, seed=0, rank=1, run=TEST_RUN)` writes a real PEFT adapter under the adapter root."""
+    """`make_adapter(name, seed=0, rank=1, run=TEST_RUN, root=None)`: a real PEFT adapter under `root`.
 
-    def make(name: str, seed: int = 0, rank: int = 1, run: str = TEST_RUN) -> Path:
-        target = adapter_dir(adapter_root, run, name)
+    `root` defaults to the session's adapter root; pass a proxy's root to stay inside its ADAPTER_ROOT.
+    """
+
+    def make(name: str, seed: int = 0, rank: int = 1, run: str = TEST_RUN, root: Path | None = None) -> Path:
+        target = adapter_dir(root or adapter_root, run, name)
         if not (target / "adapter_config.json").exists():
             build_adapter(target, tiny_model, rank=rank, seed=seed)
         return target
@@ -61,6 +64,8 @@ def replica_env(tiny_model: Path, adapter_root: Path) -> dict[str, str]:
         "MAX_MODEL_LEN": "512",
         "MAX_STALENESS": "4",
         "LORA_RANK": "8",
+        # float32: server logprobs equal transformers + PEFT to ~1e-6, so ratio tests can be strict.
+        "VLLM_DTYPE": "float32",
         "VLLM_CPU_SETS": CPU_SETS,
         "LOG_LEVEL": "INFO",
     }
@@ -97,3 +102,29 @@ def start_replicas(replica_env: dict[str, str], log_dir: Path) -> Iterator[Calla
 def shared_replicas(start_replicas: Callable[..., list[Service]]) -> list[Service]:
     """Two default replicas for the whole session. Use your own adapter names; unload what you load."""
     return start_replicas(2)
+
+
+@pytest.fixture(scope="session")
+def start_proxy(adapter_root: Path, log_dir: Path) -> Iterator[Callable[..., Service]]:
+    """`start_proxy(replicas, root=None, **overrides)`: a real `lorafleet-proxy` process in front of `replicas`.
+
+    `root` is the proxy's ADAPTER_ROOT (default: a fresh folder under the session's adapter root, so
+    each proxy has its own ledger and runs). Stopped at session end at the latest; tests stop it earlier.
+    """
+    started: list[Service] = []
+    counter = iter(range(1, 10_000))
+
+    def start(replicas: list[Service], root: Path | None = None, **overrides: str) -> Service:
+        number = next(counter)
+        proxy_root = root or adapter_root / f"proxy-{number}"
+        proxy_root.mkdir(parents=True, exist_ok=True)
+        env = {"ADAPTER_ROOT": str(proxy_root), "PROXY_UPSTREAMS": ",".join(r.url for r in replicas),
+               "LOG_LEVEL": "INFO", **{key: str(value) for key, value in overrides.items()}}
+        proxy = proxy_service(f"proxy-{number}", env, log_dir).start()
+        started.append(proxy)
+        wait_healthy([proxy], timeout_s=60)
+        return proxy
+
+    yield start
+    for service in started:
+        service.stop()
