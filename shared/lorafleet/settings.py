@@ -22,6 +22,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# Never echoed in error messages or logs.
+SECRET_FIELDS = frozenset({"proxy_api_key", "proxy_upstream_token"})
 
 
 class ConfigError(ValueError):
@@ -186,7 +188,7 @@ class Settings(BaseSettings):
             raise ValueError("must be core sets separated by ';', each like 0 or 0-3 or 0,2")
         return value
 
-    @field_validator("proxy_upstreams")
+    @field_validator("proxy_upstreams", "trainer_vllm_url")
     @classmethod
     def _upstreams_are_urls(cls, value: str) -> str:
         for url in _csv(value):
@@ -252,5 +254,7 @@ def load_settings(**overrides: object) -> Settings:
         for error in exc.errors():
             where = ".".join(str(part) for part in error["loc"]) or "settings"
             message = error["msg"].removeprefix("Value error, ")
-            problems.append(f"{env_name(where)}: {message} (got {error.get('input')!r})")
+            # Model-level errors carry every input as `input`, secrets included: show values of plain fields only.
+            shown = "" if not error["loc"] or error["loc"][0] in SECRET_FIELDS else f" (got {error.get('input')!r})"
+            problems.append(f"{env_name(where)}: {message}{shown}")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems)) from None
