@@ -125,7 +125,9 @@ class Settings(BaseSettings):
     trainer_recipe: Literal["math", "tiny", "jsonl"] = Field(
         "math", description="math: the published MATH recipe; tiny: offline tiny model task; jsonl: DATASET_PATH."
     )
-    dataset_path: str = Field("", description="Local JSONL/Parquet dataset (columns: problem, solution) for jsonl.")
+    dataset_path: str = Field(
+        "", description="Local JSONL/Parquet file (problem, solution): jsonl's data, or math's set offline."
+    )
     trainer_vllm_url: str = Field("http://proxy:8000", description="The proxy's fleet port as the trainer reaches it.")
     learning_rate: float = Field(4e-5, gt=0, description="Optimizer learning rate.")
     num_generations: int = Field(8, ge=2, description="Rollouts per prompt (GRPO group size).")
@@ -148,6 +150,12 @@ class Settings(BaseSettings):
     )
     trainer_resume: bool = Field(True, description="Resume from the newest checkpoint in the run folder if any.")
     trainer_report_to: str = Field("none", description="Comma-separated report_to backends (none, wandb, trackio).")
+    trainer_attention: Literal["auto", "fa3", "torch"] = Field(
+        "auto", description="Training attention kernel: auto = FA3 from the Hub on GPU, pure PyTorch on CPU."
+    )
+    trainer_cpu_threads: int = Field(
+        1, ge=0, description="CPU mode: torch threads of the trainer (0 = torch's default); replicas use the rest."
+    )
     trainer_server_timeout_s: float = Field(
         240.0, gt=0, description="Seconds the trainer waits for TRAINER_VLLM_URL to answer /health."
     )

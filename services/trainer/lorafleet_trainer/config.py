@@ -1,0 +1,116 @@
+"""Map the shared settings onto TRL's AsyncGRPOConfig and PEFT's LoraConfig, in one pure function.
+
+Defaults are those of the best published run (DESIGN.md, Trainer): rank 1, alpha 2, all-linear,
+lr 4e-5, 8 generations, token_budget 16384, no gradient checkpointing, 128 rollouts in flight per
+replica, a queue of twice that, max_staleness 4, a sync every 4 steps, adam beta2 0.95.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lorafleet.settings import Settings
+
+# The published recipe's optimizer setting (the train script of the reference deployment).
+ADAM_BETA2 = 0.95
+LORA_TARGETS = "all-linear"
+TRL_SCORE_QUEUE_GROUPS = 16  # AsyncRolloutWorker's score_queue_maxsize default (TRL 1.16)
+
+
+@dataclass(frozen=True)
+class TrainerConfigs:
+    """Everything the trainer is built from, and the one-line summary printed at start."""
+
+    grpo: Any  # trl.experimental.async_grpo.AsyncGRPOConfig (imported lazily: TRL takes seconds to import)
+    lora: Any  # peft.LoraConfig
+    replicas: int
+
+    def summary(self) -> dict[str, Any]:
+        """The effective values that matter at 3 a.m., as one flat JSON-able dict."""
+        grpo, lora = self.grpo, self.lora
+        return {
+            "output_dir": grpo.output_dir,
+            "vllm_server_base_url": grpo.vllm_server_base_url,
+            "replicas": self.replicas,
+            "lora_r": lora.r,
+            "lora_alpha": lora.lora_alpha,
+            "lora_target_modules": sorted(lora.target_modules) if isinstance(lora.target_modules, set)
+            else lora.target_modules,
+            **{
+                field: getattr(grpo, field)
+                for field in (
+                    "learning_rate", "adam_beta2", "num_generations", "max_completion_length", "temperature",
+                    "token_budget", "per_device_train_batch_size", "gradient_accumulation_steps",
+                    "gradient_checkpointing", "bf16", "dtype", "max_inflight_tasks", "queue_maxsize",
+                    "max_staleness", "weight_sync_steps", "max_steps", "save_steps", "seed", "vllm_server_timeout",
+                )
+            },
+            "report_to": grpo.report_to,
+        }
+
+
+def use_bf16(settings: Settings, cuda: bool) -> bool:
+    """bf16 mixed precision: TRL's default on GPU; never on CPU, where the replicas serve float32."""
+    if settings.trainer_precision == "auto":
+        return cuda
+    return settings.trainer_precision == "bf16"
+
+
+def inflight_tasks(settings: Settings, replicas: int) -> int:
+    """TRL's max_inflight_tasks caps the whole worker, not one server: scale it by the replica count."""
+    return settings.max_inflight_per_replica * max(replicas, 1)
+
+
+def build_configs(settings: Settings, *, replicas: int, cuda: bool) -> TrainerConfigs:
+    """AsyncGRPOConfig + LoraConfig for `settings`, with output_dir = <ADAPTER_ROOT>/runs/<RUN_NAME>."""
+    from peft import LoraConfig
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    inflight = inflight_tasks(settings, replicas)
+    report_to = [item.strip() for item in settings.trainer_report_to.split(",") if item.strip()] or ["none"]
+    grpo = AsyncGRPOConfig(
+        output_dir=str(settings.run_dir),
+        vllm_server_base_url=settings.trainer_vllm_url.rstrip("/"),
+        vllm_server_timeout=settings.trainer_server_timeout_s,
+        learning_rate=settings.learning_rate,
+        adam_beta2=ADAM_BETA2,
+        num_generations=settings.num_generations,
+        max_completion_length=settings.max_completion_length,
+        temperature=settings.temperature,
+        token_budget=settings.token_budget,  # 0 = FixedCountBatcher of train_batch_size samples
+        per_device_train_batch_size=settings.train_batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        gradient_checkpointing=settings.gradient_checkpointing,
+        bf16=use_bf16(settings, cuda),
+        max_inflight_tasks=inflight,
+        queue_maxsize=settings.queue_maxsize or 2 * inflight,
+        max_staleness=settings.max_staleness,
+        weight_sync_steps=settings.weight_sync_steps,
+        max_steps=settings.max_steps,
+        save_strategy="steps",
+        save_steps=settings.save_steps,
+        logging_steps=1,
+        seed=settings.seed,
+        report_to=report_to,
+        log_level="info" if settings.log_level == "DEBUG" else "warning",  # transformers' own chatter
+        disable_tqdm=True,
+    )
+    lora = LoraConfig(
+        r=settings.lora_rank,
+        lora_alpha=settings.lora_alpha,
+        target_modules=LORA_TARGETS,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return TrainerConfigs(grpo=grpo, lora=lora, replicas=replicas)
+
+
+def score_queue_groups(queue_maxsize: int, num_generations: int) -> int:
+    """Groups the rollout worker may hold between generation and scoring (TRL's hidden, fixed 16).
+
+    Those groups sit in front of the `queue_maxsize` samples and add to every sample's staleness;
+    bounding them by the same budget keeps small CPU runs on-policy and leaves big runs as TRL has them.
+    """
+    return max(1, min(TRL_SCORE_QUEUE_GROUPS, queue_maxsize // num_generations))

@@ -1,0 +1,153 @@
+"""What the trainer asks the fleet before training: size, adapter-only sync capability, stale names.
+
+TRL silently falls back to merged full-weight sync (NCCL, one replica only behind a proxy) when the
+server cannot take adapters; lorafleet refuses to start instead, with TRL's own reason. The decision
+itself is TRL's `select_adapter_sync`, fed the same `/server_info` TRL will read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from lorafleet.adapters import policy_version
+from lorafleet.logs import log_event
+from lorafleet.settings import Settings
+from lorafleet.vllm_api import VLLMClient, VLLMError
+
+log = logging.getLogger(__name__)
+
+
+class PreflightError(RuntimeError):
+    """The fleet cannot serve this run; the message says why and what to change."""
+
+
+def ready_replicas(fleet: dict[str, Any]) -> int:
+    """Ready replicas in the proxy's GET /fleet answer ({"replicas": [{"url", "state", ...}], ...})."""
+    replicas = fleet.get("replicas")
+    if not isinstance(replicas, list):
+        raise ValueError("GET /fleet answer has no 'replicas' list")
+    return sum(1 for replica in replicas if isinstance(replica, dict) and replica.get("state") == "ready")
+
+
+async def count_replicas(client: VLLMClient) -> int:
+    """Ready replicas behind the URL: the proxy's /fleet, or 1 for a plain vLLM server (no /fleet)."""
+    try:
+        response = await client.request("GET", "/fleet")
+    except VLLMError as exc:
+        if exc.status == 404:
+            return 1
+        raise
+    return ready_replicas(response.json())
+
+
+def check_adapter_sync(server_config: dict[str, Any], lora_config: Any, max_staleness: int) -> None:
+    """Raise PreflightError unless TRL would pick adapter-only sync against this server.
+
+    `server_config` is `/server_info?config_format=json`'s `vllm_config`. TRL's `select_adapter_sync`
+    raises for a too-low --max-lora-rank or --max-loras and only warns (then falls back) for the rest;
+    both become a refusal here, carrying TRL's message.
+    """
+    from lorafleet.doctor import trl_select_adapter_sync
+
+    try:
+        adapter_sync, warnings = trl_select_adapter_sync(server_config, lora_config, max_staleness)
+    except ValueError as exc:
+        raise PreflightError(f"refusing to start: {exc}") from None
+    if not adapter_sync:
+        reason = " ".join(warnings) or "TRL would fall back to merged full-weight sync"
+        raise PreflightError(
+            f"refusing to start: the fleet cannot serve adapter-only sync, and lorafleet does not fall back to "
+            f"full-weight sync (it would reach one replica only). {reason}"
+        )
+
+
+async def wait_healthy(client: VLLMClient, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await client.health():
+        if time.monotonic() > deadline:
+            raise PreflightError(
+                f"refusing to start: {client.base_url}/health did not answer 200 within {timeout_s:.0f}s"
+            )
+        await asyncio.sleep(2.0)
+
+
+async def probe_fleet(settings: Settings, client: VLLMClient) -> int:
+    """Wait for the fleet to be healthy and return its ready replica count (TRAINER_REPLICAS wins when set)."""
+    await wait_healthy(client, settings.trainer_server_timeout_s)
+    if settings.trainer_replicas:
+        return settings.trainer_replicas
+    replicas = await count_replicas(client)
+    if replicas < 1:
+        raise PreflightError(f"refusing to start: {client.base_url} reports no ready replica")
+    return replicas
+
+
+async def preflight(settings: Settings, lora_config: Any, client: VLLMClient) -> None:
+    """Every check that must pass before training. The doctor's checks are to be called from here too."""
+    await wait_healthy(client, settings.trainer_server_timeout_s)
+    info = await client.server_info()
+    check_adapter_sync(info.raw["vllm_config"], lora_config, settings.max_staleness)
+    assert info.lora is not None  # check_adapter_sync refused a server without lora_config
+    log_event(
+        log, "preflight_passed", url=client.base_url, max_lora_rank=info.lora.max_lora_rank,
+        max_loras=info.lora.max_loras, dp=info.data_parallel_size, server_dtype=info.dtype,
+    )
+
+
+async def sweep_policies(client: VLLMClient) -> list[str]:
+    """Unload every `trl-policy-v*` the fleet still lists, so this run's names cannot collide with old ones.
+
+    TRL numbers from v1 on a fresh run and from the checkpoint's version on resume; a name still loaded
+    from an earlier run is either refused (400 "already loaded", fatal in TRL) or, behind the proxy
+    (same name, same path = success), silently served with the old weights. Nothing is in flight
+    before training starts, so every policy name can go.
+    """
+    swept = []
+    for name in sorted(await client.loaded_adapters(), key=lambda item: policy_version(item) or 0):
+        if policy_version(name) is None:
+            continue
+        try:
+            await client.unload_lora_adapter(name)
+        except VLLMError as exc:
+            if exc.status != 404:  # gone meanwhile is fine
+                raise
+        swept.append(name)
+    if swept:
+        log_event(log, "swept_stale_policies", url=client.base_url, names=",".join(swept))
+    return swept
+
+
+async def doctor_preflight(settings: Settings, lora_config: Any) -> None:
+    """Run the doctor's checklist against the fleet and refuse to train on any FAIL.
+
+    The one exception is `ratio`: it judges the run's past (metrics.jsonl), so a FAIL there is
+    logged loudly but does not block resuming once the fleet itself passes.
+    """
+    from lorafleet.doctor import Status, failed, render_table, run_doctor
+
+    results = await run_doctor(settings, settings.trainer_vllm_url, peft_config=lora_config)
+    blocking = [result for result in failed(results) if result.name != "ratio"]
+    for result in results:
+        if result.status is not Status.PASS:
+            log_event(log, "doctor_check", logging.WARNING if result not in blocking else logging.ERROR,
+                      check=result.name, status=result.status.value, reason=result.reason, fix=result.fix)
+    if blocking:
+        raise PreflightError("refusing to start: the doctor found problems\n" + render_table(blocking))
+    log_event(log, "doctor_passed", checks=len(results))
+
+
+async def fleet_size(settings: Settings) -> int:
+    """probe_fleet against TRAINER_VLLM_URL."""
+    async with VLLMClient(settings.trainer_vllm_url) as client:
+        return await probe_fleet(settings, client)
+
+
+async def prepare_fleet(settings: Settings, lora_config: Any) -> None:
+    """preflight, sweep_policies, then the doctor's whole checklist, against TRAINER_VLLM_URL."""
+    async with VLLMClient(settings.trainer_vllm_url) as client:
+        await preflight(settings, lora_config, client)
+        await sweep_policies(client)
+    await doctor_preflight(settings, lora_config)

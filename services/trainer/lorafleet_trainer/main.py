@@ -1,0 +1,161 @@
+"""`lorafleet-train`: TRL's AsyncGRPOTrainer with a LoRA adapter, synced adapter-only to the fleet.
+
+Settings come from the environment (and .env) like every lorafleet service; each trainer setting
+also has a flag (`--learning-rate 1e-4` = LEARNING_RATE=1e-4, flags win). The recipe's defaults
+fill only what nobody set. Order of work: settings -> fleet size -> configs (printed) -> preflight
+(refuse what cannot serve adapter-only sync) -> sweep stale policy names -> train (resuming from
+the newest checkpoint) -> export <run>/final-adapter.
+
+TRL spawns its rollout worker, which re-imports the main module: nothing may run at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Any
+
+from lorafleet.logs import configure, log_event
+from lorafleet.settings import ConfigError, Settings, env_name, load_settings
+from lorafleet.vllm_api import VLLMError
+
+from lorafleet_trainer.recipes import RECIPES
+
+log = logging.getLogger("lorafleet_trainer")
+
+# Settings a flag can override: every trainer knob plus the shared ones the trainer reads.
+FLAG_FIELDS = (
+    "trainer_recipe", "base_model", "dataset_path", "adapter_root", "run_name", "trainer_vllm_url", "trainer_replicas",
+    "lora_rank", "lora_alpha", "learning_rate", "num_generations", "max_completion_length", "temperature",
+    "token_budget", "train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
+    "max_inflight_per_replica", "queue_maxsize", "max_staleness", "weight_sync_steps", "max_steps", "save_steps",
+    "seed", "trainer_precision", "trainer_resume", "trainer_report_to", "trainer_attention", "trainer_cpu_threads",
+    "trainer_server_timeout_s", "log_level",
+)
+EXIT_CONFIG = 2
+EXIT_PREFLIGHT = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lorafleet-train", description=__doc__.split("\n\n")[0])
+    for name in FLAG_FIELDS:
+        description = Settings.model_fields[name].description or ""
+        flag = "--" + name.removeprefix("trainer_").replace("_", "-")
+        parser.add_argument(flag, dest=name, metavar=env_name(name), help=description)
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the effective configuration and exit without touching the fleet"
+    )
+    return parser
+
+
+def resolve_settings(overrides: dict[str, Any]) -> Settings:
+    """Settings from env + flags, then the recipe's defaults for whatever nobody set."""
+    settings = load_settings(**overrides)
+    recipe = RECIPES[settings.trainer_recipe]
+    unset = {key: value for key, value in recipe.defaults.items() if key not in settings.model_fields_set}
+    if unset:
+        settings = load_settings(**overrides, **unset)
+    recipe.check(settings)
+    return settings
+
+
+def train(settings: Settings, dry_run: bool = False) -> int:
+    """Build and run the trainer; returns the process exit code."""
+    import torch
+
+    from lorafleet_trainer.config import build_configs, score_queue_groups
+    from lorafleet_trainer.cpu import install_cpu_support, install_torch_attention, needs_cpu_support
+    from lorafleet_trainer.fleet import PreflightError, fleet_size, prepare_fleet
+    from lorafleet_trainer.resilience import retry_control_calls
+    from lorafleet_trainer.run_state import METRICS_FILE, MetricsJsonl, export_final_adapter, newest_checkpoint
+
+    cuda = torch.cuda.is_available()
+    try:
+        replicas = settings.trainer_replicas or (1 if dry_run else asyncio.run(fleet_size(settings)))
+    except (PreflightError, VLLMError) as exc:
+        log_event(log, "refused", logging.ERROR, reason=str(exc))
+        return EXIT_PREFLIGHT
+    configs = build_configs(settings, replicas=replicas, cuda=cuda)
+    checkpoint = newest_checkpoint(settings.run_dir) if settings.trainer_resume else None
+    runtime = {
+        "device": "cuda" if cuda else "cpu",
+        "attention": "fa3" if cuda and settings.trainer_attention != "torch" else "torch",
+        "threads": None if cuda else settings.trainer_cpu_threads,
+        "resume_from": checkpoint.path if checkpoint else None,
+    }
+    log_event(
+        log, "effective_config", recipe=settings.trainer_recipe, base_model=settings.base_model, **runtime,
+        **configs.summary(),
+    )
+    if dry_run:
+        return 0
+    try:
+        if int(os.environ.get("RANK", "0")) == 0:  # under `accelerate launch`, one process talks to the fleet
+            asyncio.run(prepare_fleet(settings, configs.lora))
+    except (PreflightError, VLLMError) as exc:
+        log_event(log, "refused", logging.ERROR, reason=str(exc))
+        return EXIT_PREFLIGHT
+    if needs_cpu_support():
+        install_cpu_support(settings.trainer_cpu_threads)
+    elif settings.trainer_attention == "torch":
+        install_torch_attention()
+    retry_control_calls()  # a proxy restart mid-sync must not kill the run
+    if checkpoint:
+        log_event(
+            log, "resuming", checkpoint=checkpoint.path, step=checkpoint.step, model_version=checkpoint.model_version
+        )
+
+    from transformers import PrinterCallback
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    tokenizer, dataset, rewards = RECIPES[settings.trainer_recipe].build(settings)
+    trainer = AsyncGRPOTrainer(
+        model=settings.base_model,
+        reward_funcs=rewards,
+        args=configs.grpo,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=configs.lora,
+        callbacks=[MetricsJsonl(settings.run_dir / METRICS_FILE)],
+    )
+    trainer.remove_callback(PrinterCallback)  # MetricsJsonl logs each step as one structured line instead
+    bound_score_queue(trainer, score_queue_groups(configs.grpo.queue_maxsize, configs.grpo.num_generations))
+    trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
+    if trainer.accelerator.is_main_process:
+        final = export_final_adapter(trainer.accelerator.unwrap_model(trainer.model), settings.run_dir)
+        log_event(log, "finished", steps=trainer.state.global_step, model_version=trainer.model_version, adapter=final)
+    return 0
+
+
+def bound_score_queue(trainer: Any, groups: int) -> None:
+    """Set the rollout worker's score-queue size (TRL 1.16 has no config field; the child gets `_loop_kwargs`)."""
+    loop_kwargs = getattr(getattr(trainer, "rollout_worker", None), "_loop_kwargs", None)
+    if isinstance(loop_kwargs, dict):
+        loop_kwargs["score_queue_maxsize"] = groups
+        log_event(log, "score_queue_bounded", groups=groups)
+    elif trainer.accelerator.is_main_process:
+        log_event(log, "score_queue_unbounded", logging.WARNING, reason="rollout worker has no _loop_kwargs")
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    args = build_parser().parse_args(argv)
+    overrides = {name: value for name in FLAG_FIELDS if (value := getattr(args, name)) is not None}
+    try:
+        settings = resolve_settings(overrides)
+    except ConfigError as exc:
+        print(f"lorafleet-train: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    configure("trainer", settings.log_level, loggers=("trl",))
+    try:
+        return train(settings, dry_run=args.dry_run)
+    except ConfigError as exc:
+        log_event(log, "config_error", logging.ERROR, reason=str(exc))
+        return EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The run folder: checkpoint discovery for resume, metrics.jsonl, and the final adapter export."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lorafleet.logs import log_event
+from transformers import TrainerCallback
+
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+METRICS_FILE = "metrics.jsonl"
+log = logging.getLogger(__name__)
+FINAL_ADAPTER = "final-adapter"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    model_version: int | None  # TRL's rollout_state.json; None = numbering restarts at v1
+
+
+def newest_checkpoint(run_dir: Path) -> Checkpoint | None:
+    """The highest-step complete checkpoint (one whose trainer_state.json was written) in `run_dir`."""
+    if not run_dir.is_dir():
+        return None
+    found = []
+    for entry in run_dir.iterdir():
+        match = CHECKPOINT_PATTERN.match(entry.name)
+        if match and entry.is_dir() and (entry / "trainer_state.json").is_file():
+            found.append((int(match.group(1)), entry))
+    if not found:
+        return None
+    step, path = max(found)
+    state_file = path / "rollout_state.json"
+    version = None
+    if state_file.is_file():
+        version = json.loads(state_file.read_text()).get("model_version")
+    return Checkpoint(path=path, step=step, model_version=version)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# The per-step numbers worth one log line (the full dict goes to metrics.jsonl).
+STEP_LOG_KEYS = ("reward", "ratio", "kl", "perf/step_s", "perf/weight_sync_s", "sample/staleness_mean",
+                 "sample/dropped_stale_total", "perf/rollout_wait_s")
+
+
+class MetricsJsonl(TrainerCallback):
+    """Append every logged metric dict as one JSON line `{"step", "time", **logs}` (read by status and doctor).
+
+    Also logs one short structured line per step, in place of transformers' printed dict.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
+        if not logs or not state.is_world_process_zero:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        record = {"step": state.global_step, "time": round(time.time(), 3)}
+        record.update({key: _jsonable(value) for key, value in logs.items()})
+        with open(self.path, "a", encoding="utf-8") as out:
+            out.write(json.dumps(record) + "\n")
+        shown = {
+            key.split("/")[-1]: round(value, 4) for key in STEP_LOG_KEYS if isinstance(value := logs.get(key), float)
+        }
+        log_event(log, "train_step", step=state.global_step, **shown)
+
+
+def export_final_adapter(model: Any, run_dir: Path) -> Path:
+    """Save the trained PEFT adapter to <run>/final-adapter, replacing an older one atomically."""
+    target = run_dir / FINAL_ADAPTER
+    staging = run_dir / f".{FINAL_ADAPTER}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(str(staging), safe_serialization=True)
+    if target.exists():
+        old = run_dir / f".{FINAL_ADAPTER}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+        os.rename(staging, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(staging, target)
+    return target

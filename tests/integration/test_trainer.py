@@ -1,0 +1,122 @@
+"""`lorafleet-train` for real on CPU: the tiny recipe through the real proxy in front of two real float32 replicas.
+
+The session's shared float32 replicas behind a proxy of this module's own (own ADAPTER_ROOT and
+ledger). Run 1 trains 3 steps; run 2 resumes it; then two
+runs the fleet cannot serve are refused before anything is published.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from lorafleet.adapters import lora_dir, policy_name
+from lorafleet.processes import Service, trainer_service
+from lorafleet.status import read_metrics
+
+pytestmark = pytest.mark.integration
+
+RUN = "trainer-it"
+STEPS = 3
+RUN_TIMEOUT_S = 600  # the acceptance budget for 3 steps on CI
+
+
+@pytest.fixture(scope="module")
+def root(adapter_root: Path) -> Path:
+    path = adapter_root / "trainer"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture(scope="module")
+def fleet(shared_replicas, start_proxy, root: Path) -> tuple[list[Service], Service]:
+    """The session's two float32 replicas behind a proxy with this module's own ADAPTER_ROOT and ledger."""
+    proxy = start_proxy(shared_replicas, root=root)
+    yield shared_replicas, proxy
+    for name in httpx.get(proxy.url + "/v1/models", timeout=10).json()["data"][1:]:
+        httpx.post(proxy.url + "/v1/unload_lora_adapter", json={"lora_name": name["id"]}, timeout=60)
+    proxy.stop()
+
+
+def _train(name: str, root: Path, proxy: Service, model: Path, log_dir: Path, **settings: Any) -> tuple[int, str]:
+    env = {"TRAINER_RECIPE": "tiny", "BASE_MODEL": str(model), "ADAPTER_ROOT": str(root), "RUN_NAME": RUN,
+           "TRAINER_VLLM_URL": proxy.url, "HF_HUB_OFFLINE": "1", **{k: str(v) for k, v in settings.items()}}
+    trainer = trainer_service(name, env, log_dir).start()
+    assert trainer.process is not None
+    try:
+        code = trainer.process.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        trainer.stop()
+    return code, trainer.log_path.read_text()
+
+
+def _served(replica: Service) -> dict[str, str]:
+    """Adapter name -> path, as the replica itself reports it (not the proxy's word)."""
+    models = httpx.get(replica.url + "/v1/models", timeout=10).json()["data"]
+    return {card["id"]: card["root"] for card in models if card.get("parent")}
+
+
+def _metrics(root: Path) -> list[dict[str, Any]]:
+    return [row for row in read_metrics(root / "runs" / RUN / "metrics.jsonl") if "ratio" in row]
+
+
+def test_tiny_recipe_trains_3_steps_and_publishes_each_version_on_both_replicas(fleet, root, tiny_model, log_dir):
+    replicas, proxy = fleet
+    started = time.monotonic()
+    code, log = _train("trainer-run1", root, proxy, tiny_model, log_dir, MAX_STEPS=STEPS, SAVE_STEPS=STEPS)
+    elapsed = time.monotonic() - started
+    assert code == 0, log[-4000:]
+    assert elapsed < RUN_TIMEOUT_S
+
+    assert "Adapter-only vLLM sync enabled" in log  # the trl logger has a handler
+    assert "Falling back" not in log and "merged" not in log
+    assert "replicas=2" in log  # learnt from the proxy's /fleet
+    rows = _metrics(root)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    ratios = [row["ratio"] for row in rows]
+    assert all(0.98 <= ratio <= 1.02 for ratio in ratios), ratios
+    assert all(row["perf/weight_sync_s"] > 0 for row in rows)
+
+    # Cold sync = v1, then one sync per step (the tiny recipe's WEIGHT_SYNC_STEPS=1): v1..v4, all still loaded.
+    published = {policy_name(v): str(lora_dir(root, RUN) / policy_name(v)) for v in range(1, STEPS + 2)}
+    for replica in replicas:
+        assert _served(replica) == published, replica.url
+    assert (root / "runs" / RUN / "final-adapter" / "adapter_config.json").is_file()
+    assert (root / "runs" / RUN / f"checkpoint-{STEPS}" / "rollout_state.json").is_file()
+
+
+def test_second_start_resumes_the_checkpoint_and_keeps_version_numbering(fleet, root, tiny_model, log_dir):
+    replicas, proxy = fleet
+    code, log = _train("trainer-run2", root, proxy, tiny_model, log_dir, MAX_STEPS=STEPS + 2)
+    assert code == 0, log[-4000:]
+    assert f"event=resuming checkpoint={root / 'runs' / RUN / f'checkpoint-{STEPS}'}" in log
+    assert "model_version=4" in log
+    assert "event=swept_stale_policies" in log  # run 1's names were unloaded before the new cold sync
+    assert "already been loaded" not in log
+    rows = _metrics(root)
+    assert [row["step"] for row in rows][-2:] == [STEPS + 1, STEPS + 2]
+    assert all(0.98 <= row["ratio"] <= 1.02 for row in rows[-2:]), rows[-2:]
+    # Numbering continued after v4: cold sync v5, then v6 and v7; nothing older is loaded any more.
+    expected = {policy_name(v): str(lora_dir(root, RUN) / policy_name(v)) for v in (5, 6, 7)}
+    for replica in replicas:
+        assert _served(replica) == expected, replica.url
+
+
+@pytest.mark.parametrize(
+    ("settings", "reason"),
+    [
+        ({"MAX_STALENESS": "5"}, "Restart the server with `--max-loras 7`, or lower `max_staleness`"),
+        ({"LORA_RANK": "16"}, "Restart it with `--max-lora-rank 16`"),
+    ],
+)
+def test_a_fleet_that_cannot_serve_adapter_only_sync_is_refused(fleet, root, tiny_model, log_dir, settings, reason):
+    replicas, proxy = fleet
+    before = {replica.url: _served(replica) for replica in replicas}
+    code, log = _train("trainer-refused", root, proxy, tiny_model, log_dir, RUN_NAME="refused", **settings)
+    assert code == 3, log[-4000:]
+    assert "event=refused" in log and "refusing to start" in log and reason in log
+    assert not (root / "runs" / "refused").exists()  # nothing trained, nothing published
+    assert {replica.url: _served(replica) for replica in replicas} == before

@@ -1,0 +1,57 @@
+"""TRL's control calls survive a proxy that refuses connections for a moment (a restart)."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+
+import pytest
+import requests
+from lorafleet.processes import free_port
+from lorafleet_trainer.resilience import retry_control_calls, retrying_session
+
+
+class _Pause(http.server.BaseHTTPRequestHandler):
+    calls: list[str] = []  # noqa: RUF012 - shared on purpose: the test reads what the server saw
+
+    def do_POST(self) -> None:
+        _Pause.calls.append(self.path)
+        body = b'{"status":"paused"}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_pause_waits_for_a_restarting_proxy(monkeypatch):
+    from trl.experimental.async_grpo import vllm_client
+
+    monkeypatch.setattr(vllm_client, "requests", vllm_client.requests)  # restored after the test
+    port = free_port()  # nothing listens yet: connections are refused, as during a proxy restart
+    retry_control_calls(retrying_session(connect_retries=8, backoff_s=0.2))
+
+    real = http.server.HTTPServer(("127.0.0.1", port), _Pause, bind_and_activate=False)
+
+    def start_late() -> None:
+        time.sleep(1.0)
+        real.server_bind()
+        real.server_activate()
+        real.serve_forever()
+
+    threading.Thread(target=start_late, daemon=True).start()
+    _Pause.calls.clear()
+    try:
+        vllm_client.VLLMClient(f"http://127.0.0.1:{port}").pause()
+    finally:
+        real.shutdown()
+    assert _Pause.calls == ["/pause?mode=keep"]
+
+
+def test_without_retries_the_same_refusal_is_fatal():
+    port = free_port()
+    with pytest.raises(requests.ConnectionError):
+        requests.post(f"http://127.0.0.1:{port}/pause", timeout=2)
