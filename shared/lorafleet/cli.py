@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="CPU demo: tiny model, replicas, proxy, real trainer; writes a report")
     demo.add_argument("--out", type=Path, default=Path("results/demo"))
     demo.add_argument("--replicas", type=int, default=2)
-    demo.add_argument("--steps", type=int, default=30)
+    demo.add_argument("--steps", type=int, default=60)
     demo.set_defaults(func=_demo)
 
     table = commands.add_parser("settings-table", help="print the README's settings table (Markdown) from the schema")

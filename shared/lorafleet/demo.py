@@ -30,7 +30,7 @@ from lorafleet.vllm_api import metric_total
 class DemoOptions:
     out: Path
     replicas: int = 2
-    steps: int = 30
+    steps: int = 60
     startup_timeout_s: float = 300.0
 
 

@@ -115,12 +115,16 @@ def tiny_targets(model_dir: str, tokenizer: Any, count: int = TINY_TARGETS) -> l
 
 
 def tiny_dataset(target_ids: list[int], prompts: int = TINY_PROMPTS, seed: int = 0) -> Any:
-    """Seeded synthetic prompts from the tiny tokenizer's vocabulary, each row carrying the target set."""
+    """Seeded synthetic prompts from the tiny tokenizer's vocabulary, each row carrying the target set.
+
+    Prompts are 60-100 words (~150-250 tokens): longer than one CPU KV block (128 tokens), so the
+    rollouts of one prompt share a cacheable prompt-specific block and prefix routing has work to do.
+    """
     from datasets import Dataset
     from lorafleet.tiny import WORDS
 
     rng = random.Random(seed)
-    rows = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) for _ in range(prompts)]
+    rows = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(60, 100))) for _ in range(prompts)]
     return Dataset.from_dict(
         {
             "prompt": [[{"role": "user", "content": text}] for text in rows],
