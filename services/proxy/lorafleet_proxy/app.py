@@ -1,0 +1,290 @@
+"""The proxy's FastAPI app: one vLLM server (data_parallel_size 1) in front of the fleet.
+
+`create_app(settings)` builds everything (router, ledger, fleet, forwarder, metrics) for one app, so
+tests can run several in one process. The lifespan starts discovery and health checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from lorafleet.settings import ConfigError, Settings
+from lorafleet.vllm_api import VLLMError
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import broadcast
+from .broadcast import error, no_ready_replica, relay
+from .fleet import Fleet, State
+from .forward import Forwarder
+from .ledger import Ledger, ledger_path
+from .metrics import Metrics
+from .router import Router
+
+log = logging.getLogger("lorafleet.proxy")
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's GPU default, until a replica reports its own
+# Dev routes that change one engine's state: broadcasting them would need their own all-or-nothing
+# semantics (and the merged-weight sync they serve cannot work across replicas), so they are refused.
+REFUSED_ROUTES = ("/sleep", "/wake_up", "/collective_rpc", "/abort_requests", "/release_kv_cache_memory",
+                  "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                  "/start_draft_weight_update", "/update_weight_version", "/get_world_size", "/weight_info")
+READ_ONLY_ROUTES = {"/tokenize": "POST", "/detokenize": "POST", "/version": "GET", "/is_sleeping": "GET"}
+CACHE_RESET_ROUTES = ("/reset_mm_cache", "/reset_encoder_cache")
+
+
+def require_upstreams(settings: Settings) -> None:
+    if not settings.upstream_urls and not settings.proxy_upstream_dns:
+        raise ConfigError("PROXY_UPSTREAMS / PROXY_UPSTREAM_DNS: set one of them (replica base URLs, or host:port "
+                          "of a DNS name that resolves to every replica)")
+
+
+class BearerAuth:
+    """The public port: every request needs `Authorization: Bearer <PROXY_API_KEY>` (401 vLLM-style otherwise)."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = {"error": {"message": "Unauthorized: a valid 'Authorization: Bearer <key>' header is required",
+                                  "type": "Unauthorized", "param": None, "code": 401}}
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class RequestMetrics:
+    """Counts every request by route (known paths only, so labels stay bounded) and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: set[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record)
+        finally:
+            route = scope["path"] if scope["path"] in self.routes else "other"
+            self.metrics.requests.labels(route, str(status)).inc()
+
+
+async def _json_body(request: Request) -> dict[str, Any] | JSONResponse:
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError as exc:
+        return error(400, f"invalid JSON body: {exc}", "Bad Request")
+    if not isinstance(body, dict):
+        return error(400, "the request body must be a JSON object", "Bad Request")
+    return body
+
+
+def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The proxy app for these settings; `transport` replaces the network for in-process tests."""
+    require_upstreams(settings)
+    metrics = Metrics()
+    router = Router(settings.proxy_routing, settings.proxy_imbalance, settings.proxy_max_tracked_blocks,
+                    settings.proxy_block_size or DEFAULT_BLOCK_SIZE)
+    ledger = Ledger(ledger_path(settings.adapter_root), settings.adapter_root)
+    ledger.restore()
+    fleet = Fleet(settings, router, ledger, transport)
+    forwarder = Forwarder(fleet, router, metrics, settings.proxy_request_timeout_s, settings.proxy_upstream_token)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        log.info("proxy starting routing=%s upstreams=%s dns=%s ledger=%s adapters=%d", settings.proxy_routing,
+                 settings.upstream_urls, settings.proxy_upstream_dns or "-", ledger.path, len(ledger))
+        await fleet.start()
+        try:
+            yield
+        finally:
+            await fleet.stop()
+
+    app = FastAPI(title="lorafleet proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.fleet, app.state.router, app.state.ledger, app.state.metrics = fleet, router, ledger, metrics
+
+    async def timed(op: str, call: Awaitable[Response]) -> Response:
+        started = time.perf_counter()
+        response = await call
+        metrics.broadcast_seconds.labels(op).observe(time.perf_counter() - started)
+        metrics.broadcasts.labels(op, "ok" if response.status_code < 400 else str(response.status_code)).inc()
+        return response
+
+    # --- generation ------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forwarder.routed(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await forwarder.routed(request, "/v1/chat/completions")
+
+    # --- fleet-wide state changes ------------------------------------------------------------------
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await _json_body(request)
+        return body if isinstance(body, Response) else await timed("load", broadcast.load_adapter(fleet, body))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await _json_body(request)
+        return body if isinstance(body, Response) else await timed("unload", broadcast.unload_adapter(fleet, body))
+
+    @app.post("/pause")
+    async def pause(mode: str = "abort") -> Response:
+        return await timed("pause", broadcast.pause(fleet, mode))
+
+    @app.post("/resume")
+    async def resume() -> Response:
+        return await timed("resume", broadcast.resume(fleet))
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        return await timed("reset_prefix_cache", broadcast.reset_prefix_cache(fleet, dict(request.query_params)))
+
+    async def reset_other_cache(request: Request) -> Response:
+        results = await broadcast.post_everywhere(fleet, request.url.path, dict(request.query_params))
+        failed = [(replica, exc) for replica, exc in results if isinstance(exc, VLLMError)]
+        return relay(failed[0][1], f"{request.url.path} failed on {failed[0][0].url}") if failed else Response()
+
+    for path in CACHE_RESET_ROUTES:
+        app.add_api_route(path, reset_other_cache, methods=["POST"])
+
+    async def refused(request: Request) -> Response:
+        return error(501, f"{request.url.path} is not supported by the lorafleet proxy: it changes one engine's "
+                     "state and would leave the replicas inconsistent. Adapter-only sync (runtime LoRA) is the "
+                     "supported way to update the fleet's policy.", "NotImplementedError")
+
+    for path in REFUSED_ROUTES:
+        app.add_api_route(path, refused, methods=["GET", "POST"])
+
+    # --- read-only ---------------------------------------------------------------------------------
+    def read_only(path: str) -> Any:
+        async def handler(request: Request) -> Response:
+            return await forwarder.any_replica(request, path)
+
+        return handler
+
+    for path, method in READ_ONLY_ROUTES.items():
+        app.add_api_route(path, read_only(path), methods=[method])
+
+    @app.get("/is_paused")
+    async def is_paused() -> Response:
+        ready = fleet.ready()
+        if not ready:
+            return no_ready_replica(fleet)
+        answers = await asyncio.gather(*(replica.client.is_paused() for replica in ready), return_exceptions=True)
+        return JSONResponse({"is_paused": any(answer is True for answer in answers)})
+
+    @app.get("/server_info")
+    async def server_info(request: Request, config_format: str = "text") -> Response:
+        ready = fleet.ready()
+        if not ready:
+            return no_ready_replica(fleet)
+        if config_format != "json":
+            return await forwarder.any_replica(request, "/server_info")
+        results = await asyncio.gather(
+            *(r.client.request("GET", "/server_info", params={"config_format": "json"}) for r in ready),
+            return_exceptions=True)
+        payloads = [result.json() for result in results if isinstance(result, httpx.Response)]
+        if not payloads:
+            first = next(result for result in results if isinstance(result, BaseException))
+            if isinstance(first, VLLMError):
+                return relay(first, "/server_info failed on every ready replica")
+            raise first
+        return JSONResponse(_fleet_server_info(payloads))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        ready = fleet.ready()
+        if not ready:
+            return no_ready_replica(fleet)
+        try:
+            data = (await ready[0].client.request("GET", "/v1/models")).json().get("data", [])
+        except VLLMError as exc:
+            return relay(exc, f"/v1/models failed on {ready[0].url}")
+        base = [card for card in data if card.get("parent") is None][:1]
+        cards = {card["id"]: card for card in data}
+        parent = base[0]["id"] if base else None
+        adapters = [cards.get(name) or {"id": name, "object": "model", "created": int(time.time()),
+                                        "owned_by": "vllm", "root": path, "parent": parent, "max_model_len": None,
+                                        "permission": []}
+                    for name, path in ledger.entries().items()]
+        return JSONResponse({"object": "list", "data": base + adapters})
+
+    # --- the proxy's own endpoints ---------------------------------------------------------------
+    @app.get("/health")
+    @app.get("/ping")
+    async def health() -> Response:
+        ready = len(fleet.ready())
+        ok = ready >= settings.proxy_min_ready
+        body = {"status": "ok" if ok else "unavailable", "ready": ready, "min_ready": settings.proxy_min_ready,
+                "replicas": [{"url": r.url, "state": r.state.value, "last_error": r.last_error}
+                             for r in fleet.replicas.values()]}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/fleet")
+    async def fleet_view() -> Response:
+        return JSONResponse({
+            "replicas": [replica.as_json() for replica in fleet.replicas.values()],
+            "ledger": [{"name": name, "path": path} for name, path in ledger.entries().items()],
+            "router": {"mode": router.mode, "block_size": router.block_size, **router.counters,
+                       "tracked_blocks": router.tracked_blocks},
+            "min_ready": settings.proxy_min_ready,
+        })
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        for state in State:
+            metrics.replicas.labels(state.value).set(sum(r.state is state for r in fleet.replicas.values()))
+        for replica in fleet.replicas.values():
+            metrics.inflight.labels(replica.url).set(replica.inflight)
+        metrics.tracked_blocks.set(router.tracked_blocks)
+        metrics.ledger_size.set(len(ledger))
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(RequestMetrics, metrics=metrics, routes={route.path for route in app.routes})  # type: ignore[attr-defined]
+    return app
+
+
+def _fleet_server_info(payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """One replica's /server_info, with the LoRA limits every replica can honour and dp=1 (one server)."""
+    merged = copy.deepcopy(payloads[0])
+    config = merged.setdefault("vllm_config", {})
+    loras = [payload.get("vllm_config", {}).get("lora_config") for payload in payloads]
+    if all(isinstance(lora, dict) for lora in loras):
+        for key in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            values = [lora[key] for lora in loras if isinstance(lora.get(key), int)]  # type: ignore[union-attr]
+            if values:
+                config["lora_config"][key] = min(values)
+    else:
+        config["lora_config"] = None  # a replica without runtime LoRA: the fleet cannot do adapter-only sync
+    config.setdefault("parallel_config", {})["data_parallel_size"] = 1
+    return merged

@@ -1,0 +1,60 @@
+"""`lorafleet-proxy`: the fleet port (no credentials) and, with PROXY_API_KEY, the public port, in one process.
+
+Both ports serve the same app from one event loop (so they share router, fleet and ledger); the
+public one wraps it in bearer-key auth. Exits 2 with a message naming the variable on bad config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+
+import uvicorn
+from lorafleet.settings import ConfigError, Settings, load_settings
+
+from .app import BearerAuth, create_app, require_upstreams
+
+log = logging.getLogger("lorafleet.proxy")
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to `serve` (two servers share one loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(settings: Settings) -> None:
+    app = create_app(settings)
+    common = {"host": settings.proxy_host, "log_config": None, "access_log": False, "timeout_keep_alive": 75}
+    servers = [_Server(uvicorn.Config(app, port=settings.proxy_port, lifespan="on", **common))]  # type: ignore[arg-type]
+    if settings.proxy_api_key:
+        public = BearerAuth(app, settings.proxy_api_key)
+        servers.append(_Server(uvicorn.Config(public, port=settings.proxy_public_port, lifespan="off", **common)))  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: [setattr(server, "should_exit", True) for server in servers])
+    public_port = settings.proxy_public_port if settings.proxy_api_key else "off (no PROXY_API_KEY)"
+    log.info("proxy listening host=%s fleet_port=%d public_port=%s", settings.proxy_host, settings.proxy_port,
+             public_port)
+    await asyncio.gather(*(server.serve() for server in servers))
+
+
+def main() -> None:
+    try:
+        settings = load_settings()
+        require_upstreams(settings)
+    except ConfigError as exc:
+        print(f"lorafleet-proxy: {exc}", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""KV-prefix affinity: send a request to the replica whose prefix cache already holds its prompt.
+
+vLLM caches whole KV blocks whose hash chains over the prompt's tokens and the adapter name. The
+router mirrors that: prompts are cut into blocks, hashes are chained and seeded with the adapter
+name (so `trl-policy-v3` never matches `v4`), and each block remembers which replicas were sent it.
+
+Shared prefixes (chat template, system prompt) must not pull every prompt to one replica. A block
+is *common* once it is a branch point whose branches went to different replicas: two different
+prompts continue it and they live on different replicas, i.e. the prefix is fleet-wide. Ownership
+alone never makes a block common, so a spill (which adds a second owner) keeps the prompt specific
+and its later rollouts still go to a replica that caches it; continuations of one conversation on
+one replica never make its prefix common either. Common blocks are also remembered by content
+(the same chain without the adapter seed), so a new policy version starts knowing the template.
+
+Prompt forms (vLLM's): token ids are cut at the replicas' KV block size; text and chat prompts are
+hashed on their UTF-8 bytes (chat messages serialised canonically, one JSON object per message) in
+blocks of `block_size * BYTES_PER_TOKEN` bytes, which is deterministic but only approximates token
+blocks. A batched prompt (list of prompts) is routed as a whole to the replica holding the most
+specific blocks summed over its prompts, and all its prompts are recorded there (vLLM runs the whole
+batch on the replica that receives it).
+
+Memory is bounded: at most `max_blocks` entries, least recently used first, oldest adapter table
+first. Each entry is one int: owner bitmask plus the first successor's tag and replica.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from hashlib import blake2b
+from typing import Any, Literal
+
+Mode = Literal["affinity", "least_loaded", "round_robin"]
+Outcome = Literal["affinity", "spilled", "unmatched"]
+
+BYTES_PER_TOKEN = 4  # text/chat prompts: bytes per routing block = block_size * this (~4 bytes per token)
+MAX_REPLICAS = 255  # the successor-replica field of an entry is 8 bits
+MAX_COMMON_BLOCKS = 4096  # branch points remembered across adapter versions (templates, system prompts)
+
+# Entry layout (one Python int): bit 0 = branched; bits 1-8 = first successor's replica slot + 1;
+# bits 9-32 = first successor's tag (24 bits of its hash); bits 33.. = owner bitmask by replica slot.
+_BRANCHED = 1
+_SUCC_SLOT_SHIFT = 1
+_SUCC_TAG_SHIFT = 9
+_OWNER_SHIFT = 33
+_SUCC_SLOT_MASK = 0xFF << _SUCC_SLOT_SHIFT
+_SUCC_TAG_MASK = 0xFFFFFF << _SUCC_TAG_SHIFT
+_TAG_MASK = 0xFFFFFF
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    keys: list[int]  # chained block hashes seeded with the adapter name: the routing table's keys
+    content: list[int]  # the same chain without the adapter: recognises a common prefix across versions
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica: str
+    outcome: Outcome
+    specific_blocks: int
+
+
+def _chain(seed: bytes, chunks: Sequence[bytes]) -> list[int]:
+    hashes, previous = [], blake2b(seed, digest_size=8).digest()
+    for chunk in chunks:
+        previous = blake2b(previous + chunk, digest_size=8).digest()
+        hashes.append(int.from_bytes(previous, "little"))
+    return hashes
+
+
+def _byte_blocks(data: bytes, size: int) -> list[bytes]:
+    return [data[start : start + size] for start in range(0, len(data) - size + 1, size)]
+
+
+def _token_blocks(tokens: Sequence[int], size: int) -> list[bytes]:
+    packed = array("q", tokens).tobytes()
+    return _byte_blocks(packed, size * 8)
+
+
+def _canonical_messages(messages: Sequence[Any]) -> bytes:
+    """One canonical JSON line per message: a conversation's rendering is a prefix of its continuation's."""
+    return b"".join(
+        json.dumps(message, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+        for message in messages
+    )
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(item, int) for item in value)
+
+
+class Router:
+    """Chooses a replica for each request and remembers which replica was sent which prompt blocks."""
+
+    def __init__(self, mode: Mode = "affinity", imbalance: int = 8, max_blocks: int = 200_000,
+                 block_size: int = 16) -> None:
+        self.mode = mode
+        self.imbalance = imbalance
+        self.max_blocks = max_blocks
+        self.block_size = block_size
+        self.counters = {"routed": 0, "affinity": 0, "spilled": 0, "unmatched": 0}
+        self._tables: OrderedDict[str, OrderedDict[int, int]] = OrderedDict()
+        self._count = 0
+        self._slots: dict[str, int] = {}
+        self._common: OrderedDict[int, None] = OrderedDict()  # content hashes of common blocks (LRU)
+        self._rr = 0
+
+    # --- prompt -> block hashes ------------------------------------------------------------------
+    def prompt_blocks(self, body: Mapping[str, Any]) -> list[Prompt]:
+        """Chained block hashes of each prompt in a /v1/completions or /v1/chat/completions body."""
+        adapter = str(body.get("model") or "")
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            return [self._hash("chat", adapter, _byte_blocks(_canonical_messages(messages), self._text_bytes))]
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif _is_token_list(prompt):
+            prompts = [prompt]
+        elif isinstance(prompt, list):
+            prompts = prompt
+        else:
+            return []
+        result = []
+        for item in prompts:
+            if isinstance(item, str):
+                result.append(self._hash("text", adapter, _byte_blocks(item.encode(), self._text_bytes)))
+            elif _is_token_list(item):
+                result.append(self._hash("tokens", adapter, _token_blocks(item, self.block_size)))
+        return result
+
+    @property
+    def _text_bytes(self) -> int:
+        return self.block_size * BYTES_PER_TOKEN
+
+    @staticmethod
+    def _hash(kind: str, adapter: str, chunks: list[bytes]) -> Prompt:
+        return Prompt(_chain(f"{kind}\0{adapter}".encode(), chunks), _chain(kind.encode(), chunks))
+
+    # --- decisions -------------------------------------------------------------------------------
+    def choose(self, adapter: str, prompts: list[Prompt], load: Mapping[str, int]) -> Decision:
+        """Pick one of `load`'s replicas (url -> current load) for these prompts and record the choice."""
+        if not load:
+            raise ValueError("no replica to choose from")
+        urls = list(load)
+        specific = self._specific(adapter, prompts, urls)
+        least = min(load.values())
+        # Replicas not more than `imbalance` requests ahead of the least loaded; among them the one holding
+        # the most specific blocks wins, the less loaded on ties.
+        within = [url for url in urls if load[url] - least <= self.imbalance]
+        best = max(within, key=lambda url: (specific[url], -load[url]))
+        if self.mode == "round_robin":
+            chosen = urls[self._next_rr(len(urls))]
+        elif self.mode == "affinity" and specific[best] > 0:
+            chosen = best
+        else:
+            idle = [url for url in urls if load[url] == least]
+            chosen = idle[self._next_rr(len(idle))]
+        held = any(specific.values())
+        outcome: Outcome = "affinity" if specific[chosen] > 0 else "spilled" if held else "unmatched"
+        self.counters["routed"] += 1
+        self.counters[outcome] += 1
+        self._record(adapter, prompts, chosen)
+        return Decision(chosen, outcome, specific[chosen])
+
+    def _next_rr(self, n: int) -> int:
+        self._rr += 1
+        return (self._rr - 1) % n
+
+    def _specific(self, adapter: str, prompts: list[Prompt], urls: list[str]) -> dict[str, int]:
+        """Blocks of these prompts each replica holds beyond the fleet-wide common prefix, summed over prompts."""
+        specific = dict.fromkeys(urls, 0)
+        table = self._tables.get(adapter)
+        if table is None:
+            return specific
+        slots = {url: self._slots[url] for url in urls if url in self._slots}
+        for prompt in prompts:
+            matched = dict.fromkeys(slots, 0)
+            alive = -1  # owner bits of the replicas that hold every block walked so far
+            common = 0
+            for depth, (key, content) in enumerate(zip(prompt.keys, prompt.content, strict=True), start=1):
+                entry = table.get(key)
+                if entry is None:
+                    break
+                if entry & _BRANCHED or content in self._common:
+                    common = depth
+                alive &= entry >> _OWNER_SHIFT
+                for url, slot in slots.items():
+                    if alive >> slot & 1:
+                        matched[url] = depth
+            for url, depth in matched.items():
+                specific[url] += max(0, depth - common)
+        return specific
+
+    def _slot(self, url: str) -> int:
+        slot = self._slots.get(url)
+        if slot is None:
+            used = set(self._slots.values())
+            slot = next(index for index in range(MAX_REPLICAS + 1) if index not in used)
+            if slot >= MAX_REPLICAS:
+                raise RuntimeError(f"the router tracks at most {MAX_REPLICAS} replicas")
+            self._slots[url] = slot
+        return slot
+
+    def _record(self, adapter: str, prompts: list[Prompt], url: str) -> None:
+        if not any(prompt.keys for prompt in prompts):
+            return
+        slot = self._slot(url)
+        owner = 1 << (slot + _OWNER_SHIFT)
+        table = self._tables.get(adapter)
+        if table is None:
+            table = self._tables[adapter] = OrderedDict()
+        self._tables.move_to_end(adapter)
+        for prompt in prompts:
+            # Walk backwards so that a prompt's first blocks are the most recently used: eviction then
+            # removes a prompt's tail before its head, and the prefix walk keeps working.
+            successor: int | None = None
+            for key, content in zip(reversed(prompt.keys), reversed(prompt.content), strict=True):
+                entry = table.get(key)
+                if entry is None:
+                    entry = 0
+                    self._count += 1
+                else:
+                    table.move_to_end(key)
+                entry |= owner
+                if successor is not None:
+                    updated = _with_successor(entry, successor & _TAG_MASK, slot)
+                    if updated & ~entry & _BRANCHED:
+                        self._remember_common(content)
+                    entry = updated
+                table[key] = entry
+                successor = key
+        self._evict()
+
+    def _remember_common(self, content: int) -> None:
+        self._common[content] = None
+        self._common.move_to_end(content)
+        if len(self._common) > MAX_COMMON_BLOCKS:
+            self._common.popitem(last=False)
+
+    def _evict(self) -> None:
+        while self._count > self.max_blocks:
+            name, table = next(iter(self._tables.items()))
+            table.popitem(last=False)
+            self._count -= 1
+            if not table:
+                del self._tables[name]
+
+    # --- forgetting ------------------------------------------------------------------------------
+    def drop_adapter(self, adapter: str) -> None:
+        """The adapter was unloaded: its blocks can never be hit again."""
+        table = self._tables.pop(adapter, None)
+        if table is not None:
+            self._count -= len(table)
+
+    def forget_replica(self, url: str) -> None:
+        """The replica was ejected, restarted or removed: its prefix cache is gone (or unreachable)."""
+        slot = self._slots.pop(url, None)
+        if slot is None:
+            return
+        keep = ~(1 << (slot + _OWNER_SHIFT))
+        for table in self._tables.values():
+            for key, entry in table.items():
+                if entry & ~keep:
+                    table[key] = entry & keep
+
+    def clear(self) -> None:
+        """Every replica's prefix cache was reset (what is common stays common)."""
+        self._tables.clear()
+        self._count = 0
+
+    def set_block_size(self, block_size: int) -> None:
+        """Follow the replicas' KV block size; hashes of another size never match, so start over."""
+        if block_size != self.block_size:
+            self.block_size = block_size
+            self.clear()
+            self._common.clear()
+
+    @property
+    def tracked_blocks(self) -> int:
+        return self._count
+
+
+def _with_successor(entry: int, tag: int, slot: int) -> int:
+    """Remember the first successor; a different successor on a different replica makes the block common."""
+    first_slot = (entry & _SUCC_SLOT_MASK) >> _SUCC_SLOT_SHIFT
+    if first_slot == 0:
+        return entry | (slot + 1) << _SUCC_SLOT_SHIFT | tag << _SUCC_TAG_SHIFT
+    first_tag = (entry & _SUCC_TAG_MASK) >> _SUCC_TAG_SHIFT
+    if first_tag != tag and first_slot != slot + 1:
+        return entry | _BRANCHED
+    return entry

@@ -1,0 +1,233 @@
+"""In-process fake vLLM replicas for fault injection, answering with vLLM 0.31's exact statuses and bodies.
+
+Only for faults a real replica cannot be made to produce on demand (a load failing on one replica,
+"No adapter found" for the first k tries, a replica dying mid-request, a pause failing on one) and
+for the benchmark. Bodies come from shared/reference/vllm-runtime-api.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import random
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from lorafleet.processes import free_port
+
+ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+
+def vllm_error(status: int, message: str, error_type: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": error_type, "param": param, "code": status}},
+                        status_code=status)
+
+
+@dataclass
+class Faults:
+    load_error: tuple[int, str, str] | None = None  # (status, message, type) for every load
+    not_found_loads: int = 0  # answer "No adapter found" to this many load attempts first
+    pause_fails: bool = False
+    die_mid_request: bool = False  # completions: send headers and part of a body, then drop the connection
+    completion_status: int | None = None  # completions answer this status with vLLM's engine-dead body
+    latency_s: float = 0.0  # added to every completion
+    latency_jitter_s: float = 0.0  # plus a uniform random part (completions of different lengths)
+    healthy: bool = True
+
+
+@dataclass
+class FakeReplica:
+    base_model: str = "fake-base"
+    block_size: int = 16
+    max_loras: int = 6
+    max_lora_rank: int = 8
+    max_model_len: int = 512
+    faults: Faults = field(default_factory=Faults)
+    adapters: dict[str, str] = field(default_factory=dict)
+    paused: str | None = None
+    calls: list[tuple[str, Any]] = field(default_factory=list)  # (path, payload) of every state-changing call
+    completions: int = 0
+    url: str = ""
+    cached_blocks: set[bytes] = field(default_factory=set)  # a prefix cache that never evicts (token prompts)
+    prompt_blocks: int = 0
+    hit_blocks: int = 0
+
+    def loads(self) -> list[str]:
+        return [payload["lora_name"] for path, payload in self.calls if path == "/v1/load_lora_adapter"]
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200 if self.faults.healthy else 503)
+
+        @app.get("/server_info")
+        async def server_info(config_format: str = "text") -> Response:
+            config = {"model_config": {"model": self.base_model, "dtype": "torch.float32"},
+                      "lora_config": {"max_lora_rank": self.max_lora_rank, "max_loras": self.max_loras,
+                                      "max_cpu_loras": self.max_loras, "lora_dtype": "torch.float32"},
+                      "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1},
+                      "cache_config": {"block_size": self.block_size, "enable_prefix_caching": True}}
+            vllm_config: Any = config if config_format == "json" else str(config)
+            return JSONResponse({"vllm_config": vllm_config, "vllm_env": {}, "system_env": {}})
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            data = [{"id": self.base_model, "object": "model", "created": 0, "owned_by": "vllm",
+                     "root": self.base_model, "parent": None, "max_model_len": self.max_model_len, "permission": []}]
+            data += [{"id": name, "object": "model", "created": 0, "owned_by": "vllm", "root": path,
+                      "parent": self.base_model, "max_model_len": None, "permission": []}
+                     for name, path in self.adapters.items()]
+            return JSONResponse({"object": "list", "data": data})
+
+        @app.post("/v1/load_lora_adapter")
+        async def load(request: Request) -> Response:
+            body = await request.json()
+            self.calls.append(("/v1/load_lora_adapter", body))
+            name, path = body["lora_name"], body["lora_path"]
+            if self.faults.not_found_loads > 0:
+                self.faults.not_found_loads -= 1
+                return vllm_error(404, f"Loading lora {name} failed: No adapter found for <path>", "NotFoundError")
+            if self.faults.load_error:
+                return vllm_error(*self.faults.load_error)
+            if name in self.adapters:
+                return vllm_error(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                                  "adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
+            self.adapters[name] = path
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload(request: Request) -> Response:
+            body = await request.json()
+            self.calls.append(("/v1/unload_lora_adapter", body))
+            if self.adapters.pop(body["lora_name"], None) is None:
+                return vllm_error(404, f"The lora adapter '{body['lora_name']}' cannot be found.", "NotFoundError")
+            return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
+
+        @app.post("/pause")
+        async def pause(mode: str = "abort") -> Response:
+            self.calls.append(("/pause", mode))
+            if self.faults.pause_fails:
+                return vllm_error(500, ENGINE_DEAD, "InternalServerError")
+            self.paused = mode
+            return JSONResponse({"status": "paused"})
+
+        @app.post("/resume")
+        async def resume() -> Response:
+            self.calls.append(("/resume", None))
+            self.paused = None
+            return JSONResponse({"status": "resumed"})
+
+        @app.get("/is_paused")
+        async def is_paused() -> Response:
+            return JSONResponse({"is_paused": self.paused is not None})
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> Response:
+            self.calls.append(("/reset_prefix_cache", None))
+            return JSONResponse({"success": True})
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            body = await request.json()
+            self.completions += 1
+            model = body.get("model")
+            if model != self.base_model and model not in self.adapters:
+                return vllm_error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+            self._account_prefix_cache(model, body.get("prompt"))
+            if self.faults.latency_s or self.faults.latency_jitter_s:
+                await asyncio.sleep(self.faults.latency_s + random.uniform(0, self.faults.latency_jitter_s))
+            if self.faults.completion_status:
+                return vllm_error(self.faults.completion_status, ENGINE_DEAD, "InternalServerError")
+            answer = {"id": f"cmpl-{self.completions}", "object": "text_completion", "created": int(time.time()),
+                      "model": model, "choices": [{"index": 0, "text": " fake", "token_ids": [7, 8, 9],
+                                                   "logprobs": {"token_logprobs": [-0.5, -0.25, -0.125]},
+                                                   "finish_reason": "length", "stop_reason": None}],
+                      "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}, "served_by": self.url}
+            if self.faults.die_mid_request:
+                return StreamingResponse(_broken_body(json.dumps(answer)), media_type="application/json")
+            if body.get("stream"):
+                return StreamingResponse(_sse(answer), media_type="text/event-stream")
+            return JSONResponse(answer)
+
+        @app.get("/fake_stats")
+        async def stats() -> Response:
+            return JSONResponse({"completions": self.completions, "prompt_blocks": self.prompt_blocks,
+                                 "hit_blocks": self.hit_blocks})
+
+        return app
+
+    def _account_prefix_cache(self, model: str, prompt: Any) -> None:
+        """Count full blocks of a token prompt found in this replica's cache, as vLLM's prefix cache would."""
+        if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+            return
+        digest = model.encode()
+        hitting = True
+        for start in range(0, len(prompt) - self.block_size + 1, self.block_size):
+            digest = hashlib.blake2b(digest + str(prompt[start : start + self.block_size]).encode(),
+                                     digest_size=16).digest()
+            self.prompt_blocks += 1
+            hitting = hitting and digest in self.cached_blocks
+            self.hit_blocks += hitting
+            self.cached_blocks.add(digest)
+
+
+async def _broken_body(text: str) -> AsyncIterator[bytes]:
+    yield text[: len(text) // 2].encode()
+    raise ConnectionResetError("fake replica died mid-request")
+
+
+async def _sse(answer: dict[str, Any]) -> AsyncIterator[bytes]:
+    for token in ("one", "two", "three"):
+        chunk = {**answer, "choices": [{"index": 0, "text": f" {token}", "finish_reason": None}]}
+        yield f"data: {json.dumps(chunk)}\n\n".encode()
+        await asyncio.sleep(0.01)
+    yield b"data: [DONE]\n\n"
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # tests run servers in pytest's loop: leave signals alone
+        yield
+
+
+@dataclass
+class Running:
+    url: str
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def start_server(app: Any, port: int | None = None, lifespan: str = "on") -> Running:
+    """Serve an ASGI app on 127.0.0.1 in the running loop (real HTTP); returns once it accepts connections."""
+    port = port or free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan,
+                            timeout_graceful_shutdown=1)
+    server = _Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError(f"server on port {port} exited during startup")
+        await asyncio.sleep(0.01)
+    return Running(f"http://127.0.0.1:{port}", server, task)
+
+
+async def start_fakes(n: int, **kwargs: Any) -> tuple[list[FakeReplica], list[Running]]:
+    fakes = [FakeReplica(**kwargs) for _ in range(n)]
+    running = [await start_server(fake.app()) for fake in fakes]
+    for fake, server in zip(fakes, running, strict=True):
+        fake.url = server.url
+    return fakes, running
