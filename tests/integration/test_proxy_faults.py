@@ -165,6 +165,25 @@ async def test_partial_pause_is_compensated_and_mode_is_kept(fleet: Fleet) -> No
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "query.mode"
 
 
+@pytest.mark.parametrize("fleet", [(2, {"proxy_health_interval_s": 60.0})], indirect=True)
+async def test_a_replica_dead_during_a_sync_is_ejected_and_the_sync_succeeds(fleet: Fleet) -> None:
+    """A replica killed between health checks must not fail the trainer's pause/load/resume/unload."""
+    await fleet.load("trl-policy-v1")
+    await fleet.servers[1].stop()  # no health check will notice for a minute: only the broadcast sees it
+    paused = await fleet.http.post("/pause", params={"mode": "keep"})
+    assert paused.status_code == 200, paused.text
+    view = await fleet.fleet()
+    assert [r["state"] for r in view["replicas"]] == ["ready", "ejected"]
+    assert "no answer during a broadcast" in view["replicas"][1]["last_error"]
+    assert fleet.fakes[0].paused
+    assert (await fleet.load("trl-policy-v2")).status_code == 200
+    assert (await fleet.http.post("/resume")).status_code == 200
+    unloaded = await fleet.http.post("/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"})
+    assert unloaded.status_code == 200
+    assert fleet.fakes[0].adapters == {"trl-policy-v2": fleet.adapter("trl-policy-v2")}
+    assert [entry["name"] for entry in (await fleet.fleet())["ledger"]] == ["trl-policy-v2"]
+
+
 async def test_state_changing_dev_routes_are_refused(fleet: Fleet) -> None:
     for path in ("/sleep", "/wake_up", "/collective_rpc", "/update_weights", "/get_world_size"):
         response = await fleet.http.post(path)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from lorafleet.adapters import AdapterNameError, AdapterPathError, check_adapter_name, confine
-from lorafleet.vllm_api import VLLMError, error_body
+from lorafleet.vllm_api import VLLMError, VLLMUnreachable, error_body
 
 from .fleet import Fleet, Replica, load_until
 
@@ -43,14 +43,26 @@ def no_ready_replica(fleet: Fleet) -> JSONResponse:
 
 
 async def _each(
-    replicas: list[Replica], call: Callable[[Replica], Awaitable[T]]
+    fleet: Fleet, replicas: list[Replica], call: Callable[[Replica], Awaitable[T]]
 ) -> list[tuple[Replica, T | VLLMError]]:
-    """Run `call` on every replica concurrently; VLLMErrors come back as results, anything else raises."""
+    """Run `call` on every replica concurrently; VLLMErrors come back as results, anything else raises.
+
+    A replica that gives no answer at all (connection refused or reset: it died) is ejected and left out
+    of the results, so a broadcast is all-or-nothing over the replicas that are alive; the ejected one
+    re-syncs to the ledger before it gets traffic again. If none answers, the errors are returned.
+    """
     results = await asyncio.gather(*(call(replica) for replica in replicas), return_exceptions=True)
     for result in results:
         if isinstance(result, BaseException) and not isinstance(result, VLLMError):
             raise result
-    return list(zip(replicas, results, strict=True))  # type: ignore[arg-type]
+    pairs: list[tuple[Replica, Any]] = list(zip(replicas, results, strict=True))
+    answered = [(replica, result) for replica, result in pairs if not isinstance(result, VLLMUnreachable)]
+    if not answered:
+        return pairs
+    for replica, result in pairs:
+        if isinstance(result, VLLMUnreachable):
+            fleet.eject(replica, f"no answer during a broadcast: {result.message}")
+    return answered
 
 
 def _failures(results: list[tuple[Replica, Any]]) -> list[tuple[Replica, VLLMError]]:
@@ -92,12 +104,12 @@ async def load_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
                 return rebound
         todo = [replica for replica in targets if replica.adapters.get(name) != path]
         deadline = time.monotonic() + fleet.settings.proxy_lora_load_timeout_s
-        results = await _each(todo, lambda replica: _load_one(replica, name, path, deadline))
+        results = await _each(fleet, todo, lambda replica: _load_one(replica, name, path, deadline))
         failed = _failures(results)
         if failed:
             return await _roll_back(fleet, name, [r for r, result in results if not isinstance(result, VLLMError)],
                                     failed, len(targets))
-        for replica in todo:
+        for replica, _ in results:
             replica.adapters[name] = path
         if fleet.ledger.get(name) != path:
             fleet.ledger.put(name, path)
@@ -118,7 +130,7 @@ async def _load_one(replica: Replica, name: str, path: str, deadline: float) -> 
 
 async def _roll_back(fleet: Fleet, name: str, accepted: list[Replica], failed: list[tuple[Replica, VLLMError]],
                      total: int) -> JSONResponse:
-    undone = await _each(accepted, lambda replica: replica.client.unload_lora_adapter(name))
+    undone = await _each(fleet, accepted, lambda replica: replica.client.unload_lora_adapter(name))
     for replica, result in _failures(undone):
         fleet.resync(replica, f"rollback unload of {name} failed: {result}")
     replica, first = failed[0]
@@ -135,7 +147,7 @@ async def _roll_back(fleet: Fleet, name: str, accepted: list[Replica], failed: l
 async def _rebind(fleet: Fleet, name: str, targets: list[Replica]) -> JSONResponse | None:
     """Same name, other path: a new run reusing names. Unload everywhere and reset prefix caches first."""
     log.warning("load name=%s rebinds a known name to a new path: unloading it and resetting prefix caches", name)
-    unloaded = await _each(targets, lambda replica: replica.client.unload_lora_adapter(name))
+    unloaded = await _each(fleet, targets, lambda replica: replica.client.unload_lora_adapter(name))
     for replica, result in _failures(unloaded):
         if result.status != 404:
             fleet.resync(replica, f"unload of {name} before rebinding failed: {result}")
@@ -144,7 +156,7 @@ async def _rebind(fleet: Fleet, name: str, targets: list[Replica]) -> JSONRespon
     fleet.router.drop_adapter(name)
     for replica in targets:
         replica.adapters.pop(name, None)
-    reset = await _each(targets, lambda replica: replica.client.reset_prefix_cache())
+    reset = await _each(fleet, targets, lambda replica: replica.client.reset_prefix_cache())
     for replica, result in _failures(reset):
         fleet.resync(replica, f"prefix-cache reset failed: {result}")
         return relay(result, f"prefix-cache reset before rebinding {name!r} failed on {replica.url}")
@@ -164,7 +176,7 @@ async def unload_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
     async with fleet.lock:
         fleet.generation += 1
         targets = fleet.ready()
-        results = await _each(targets, lambda replica: replica.client.unload_lora_adapter(name))
+        results = await _each(fleet, targets, lambda replica: replica.client.unload_lora_adapter(name))
         in_ledger = fleet.ledger.remove(name)
         fleet.router.drop_adapter(name)
         for replica in targets:
@@ -191,11 +203,11 @@ async def pause(fleet: Fleet, mode: str) -> Response:
         targets = fleet.ready()
         if not targets:
             return no_ready_replica(fleet)
-        results = await _each(targets, lambda replica: replica.client.pause(mode))  # type: ignore[arg-type]
+        results = await _each(fleet, targets, lambda replica: replica.client.pause(mode))  # type: ignore[arg-type]
         failed = _failures(results)
         if failed:
             paused = [replica for replica, result in results if not isinstance(result, VLLMError)]
-            undone = await _each(paused, lambda replica: replica.client.resume())
+            undone = await _each(fleet, paused, lambda replica: replica.client.resume())
             for replica, exc in _failures(undone):
                 fleet.resync(replica, f"resume after a partial pause failed: {exc}")
             context = f"pause failed on {len(failed)}/{len(targets)} replica(s); resumed the {len(paused)} paused"
@@ -212,12 +224,12 @@ async def resume(fleet: Fleet) -> Response:
         fleet.generation += 1
         fleet.paused_mode = None
         targets = fleet.ready()
-        results = await _each(targets, lambda replica: replica.client.resume())
+        results = await _each(fleet, targets, lambda replica: replica.client.resume())
         failed = _failures(results)
         for replica, exc in failed:
             fleet.resync(replica, f"resume failed: {exc}")
-        if failed and len(failed) == len(targets):
-            return relay(failed[0][1], f"resume failed on every replica ({len(targets)})")
+        if failed and len(failed) == len(results):
+            return relay(failed[0][1], f"resume failed on every replica ({len(results)})")
         log.info("resume ok replicas=%d resyncing=%d", len(targets) - len(failed), len(failed))
         return JSONResponse({"status": "resumed"})
 
@@ -226,7 +238,8 @@ async def post_everywhere(fleet: Fleet, path: str, params: dict[str, str]) -> li
     """POST `path` to every ready replica (cache resets); results as (replica, response or VLLMError)."""
     async with fleet.lock:
         fleet.generation += 1
-        return await _each(fleet.ready(), lambda replica: replica.client.request("POST", path, params=params))
+        return await _each(fleet, fleet.ready(),
+                           lambda replica: replica.client.request("POST", path, params=params))
 
 
 async def reset_prefix_cache(fleet: Fleet, params: dict[str, str]) -> Response:

@@ -179,14 +179,21 @@ class Fleet:
         """A failed health check or routed call; enough in a row eject the replica."""
         replica.failures += 1
         replica.last_error = error
-        if replica.failures >= self.settings.proxy_eject_after and replica.state in (State.SYNCING, State.READY):
-            self._cancel_sync(replica)
-            replica.state = State.EJECTED
-            replica.adapters = {}
-            replica.engine_queue = 0
-            self.router.forget_replica(replica.url)
-            self.ejections += 1
-            log.warning("replica ejected url=%s failures=%d error=%s", replica.url, replica.failures, error)
+        if replica.failures >= self.settings.proxy_eject_after:
+            self.eject(replica, error)
+
+    def eject(self, replica: Replica, error: str) -> None:
+        """Out of traffic and broadcasts now; when it answers health checks again it re-syncs to the ledger."""
+        if replica.state not in (State.SYNCING, State.READY):
+            return
+        self._cancel_sync(replica)
+        replica.state = State.EJECTED
+        replica.last_error = error
+        replica.adapters = {}
+        replica.engine_queue = 0
+        self.router.forget_replica(replica.url)
+        self.ejections += 1
+        log.warning("replica ejected url=%s failures=%d error=%s", replica.url, replica.failures, error)
 
     def resync(self, replica: Replica, reason: str) -> None:
         """Take a replica out of traffic and bring it back in line with the ledger."""
