@@ -72,19 +72,16 @@ def replica_env(tiny_model: Path, adapter_root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def start_replicas(replica_env: dict[str, str], log_dir: Path) -> Iterator[Callable[..., list[Service]]]:
-    """`start_replicas(n, **overrides)` starts n CPU replicas in parallel and waits until all are healthy.
+def launch_replicas() -> Iterator[Callable[[list[Service]], list[Service]]]:
+    """`launch_replicas(services)` starts replica Services in parallel and waits until all are healthy.
 
-    Overrides are settings (e.g. `MAX_STALENESS="0"`, `VLLM_DTYPE="float32"`, `VLLM_EXTRA_ARGS=...`).
-    Every replica started here is stopped at the end of the session at the latest.
+    For replicas built by hand (e.g. a command wrapper); every one is stopped at session end at the latest.
     """
     started: list[Service] = []
-    counter = iter(range(1, 10_000))
 
-    def start(n: int, **overrides: str) -> list[Service]:
-        env = {**replica_env, **{key: str(value) for key, value in overrides.items()}}
-        batch = [replica_service(f"replica-{next(counter)}", env, log_dir).start() for _ in range(n)]
-        started.extend(batch)
+    def launch(batch: list[Service]) -> list[Service]:
+        for service in batch:
+            started.append(service.start())
         try:
             wait_healthy(batch, timeout_s=STARTUP_TIMEOUT_S)
         except Exception:
@@ -93,9 +90,26 @@ def start_replicas(replica_env: dict[str, str], log_dir: Path) -> Iterator[Calla
             raise
         return batch
 
-    yield start
+    yield launch
     for service in started:
         service.stop()
+
+
+@pytest.fixture(scope="session")
+def start_replicas(
+    replica_env: dict[str, str], log_dir: Path, launch_replicas: Callable[[list[Service]], list[Service]]
+) -> Callable[..., list[Service]]:
+    """`start_replicas(n, **overrides)` starts n CPU replicas in parallel and waits until all are healthy.
+
+    Overrides are settings (e.g. `MAX_STALENESS="0"`, `VLLM_DTYPE="float32"`, `VLLM_EXTRA_ARGS=...`).
+    """
+    counter = iter(range(1, 10_000))
+
+    def start(n: int, **overrides: str) -> list[Service]:
+        env = {**replica_env, **{key: str(value) for key, value in overrides.items()}}
+        return launch_replicas([replica_service(f"replica-{next(counter)}", env, log_dir) for _ in range(n)])
+
+    return start
 
 
 @pytest.fixture(scope="session")
@@ -106,7 +120,7 @@ def shared_replicas(start_replicas: Callable[..., list[Service]]) -> list[Servic
 
 @pytest.fixture(scope="session")
 def start_proxy(adapter_root: Path, log_dir: Path) -> Iterator[Callable[..., Service]]:
-    """`start_proxy(replicas, root=None, **overrides)`: a real `lorafleet-proxy` process in front of `replicas`.
+    """`start_proxy(replicas, root=None, port=None, **overrides)`: a real `lorafleet-proxy` in front of `replicas`.
 
     `root` is the proxy's ADAPTER_ROOT (default: a fresh folder under the session's adapter root, so
     each proxy has its own ledger and runs). Stopped at session end at the latest; tests stop it earlier.
@@ -114,13 +128,13 @@ def start_proxy(adapter_root: Path, log_dir: Path) -> Iterator[Callable[..., Ser
     started: list[Service] = []
     counter = iter(range(1, 10_000))
 
-    def start(replicas: list[Service], root: Path | None = None, **overrides: str) -> Service:
+    def start(replicas: list[Service], root: Path | None = None, port: int | None = None, **overrides: str) -> Service:
         number = next(counter)
         proxy_root = root or adapter_root / f"proxy-{number}"
         proxy_root.mkdir(parents=True, exist_ok=True)
         env = {"ADAPTER_ROOT": str(proxy_root), "PROXY_UPSTREAMS": ",".join(r.url for r in replicas),
                "LOG_LEVEL": "INFO", **{key: str(value) for key, value in overrides.items()}}
-        proxy = proxy_service(f"proxy-{number}", env, log_dir).start()
+        proxy = proxy_service(f"proxy-{number}", env, log_dir, port=port).start()
         started.append(proxy)
         wait_healthy([proxy], timeout_s=60)
         return proxy

@@ -20,14 +20,13 @@ from pathlib import Path
 import pytest
 from lorafleet.adapters import lora_dir
 from lorafleet.doctor import CheckResult, Status, render_table, run_doctor, write_probe_adapter
-from lorafleet.processes import Service, replica_service, wait_healthy
+from lorafleet.processes import Service, replica_service
 from lorafleet.settings import Settings, load_settings
 from lorafleet.vllm_api import VLLMClient
 
 pytestmark = pytest.mark.integration
 
 RUN = "doctor-run"
-STARTUP_S = float(os.environ.get("LORAFLEET_TEST_STARTUP_S", "300"))
 _NUMBERS = itertools.count(1)
 
 
@@ -59,7 +58,7 @@ def _by_name(results: list[CheckResult]) -> dict[str, CheckResult]:
     return {result.name: result for result in results}
 
 
-def _extra_replicas(replica_env: dict[str, str], root: Path, log_dir: Path,
+def _extra_replicas(launch_replicas, replica_env: dict[str, str], root: Path, log_dir: Path,
                     *specs: tuple[dict[str, str], list[str] | None]) -> list[Service]:
     """Start extra replicas in parallel, one per (settings overrides, command wrapper); they claim cores
     from <root>/.fleet, their own pool, so they never wait for the shared replicas' claims."""
@@ -68,14 +67,8 @@ def _extra_replicas(replica_env: dict[str, str], root: Path, log_dir: Path,
         service = replica_service(f"doctor-replica-{next(_NUMBERS)}",
                                   {**replica_env, "ADAPTER_ROOT": str(root), **overrides}, log_dir)
         service.argv = [*(wrap or []), *service.argv]
-        services.append(service.start())
-    try:
-        wait_healthy(services, timeout_s=STARTUP_S)
-    except Exception:
-        for service in services:
-            service.stop()
-        raise
-    return services
+        services.append(service)
+    return launch_replicas(services)
 
 
 # --- a healthy fleet ------------------------------------------------------------------------------------
@@ -181,14 +174,15 @@ class TestMisconfiguredReplicas:
     one without LoRA (--no-enable-lora after lorafleet-replica's --enable-lora: the last flag wins)."""
 
     @pytest.fixture(scope="class")
-    def fleet(self, shared_replicas, replica_env, start_proxy, root, log_dir,
+    def fleet(self, shared_replicas, replica_env, start_proxy, launch_replicas, root, log_dir,
               tmp_path_factory) -> Iterator[dict[str, Service]]:
         scratch = tmp_path_factory.mktemp("doctor-ns")
         wrap = None
         if _can_unshare(scratch):
             (scratch / "empty").mkdir()
             wrap = _private_mount_wrapper(root, scratch / "empty")
-        few_slots, no_lora = _extra_replicas(replica_env, root, log_dir, ({"MAX_STALENESS": "0"}, wrap),
+        few_slots, no_lora = _extra_replicas(launch_replicas, replica_env, root, log_dir,
+                                             ({"MAX_STALENESS": "0"}, wrap),
                                              ({"VLLM_EXTRA_ARGS": "--no-enable-lora"}, None))
         try:
             proxy = start_proxy([shared_replicas[0], few_slots, no_lora], root, PROXY_MIN_READY="3", **PROXY_SETTINGS)
