@@ -19,6 +19,9 @@ COMPOSE     ?= docker compose
 PIP_ARGS    ?=
 PYTEST_ARGS ?=
 
+# Tests read no .env: a developer's stack settings must not steer them (see LORAFLEET_ENV_FILE in the README).
+TEST_ENV := LORAFLEET_ENV_FILE=
+
 STAMP := $(VENV)/.setup-stamp
 SETUP_INPUTS := constraints.txt pyproject.toml shared/pyproject.toml services/proxy/pyproject.toml \
                 services/vllm/pyproject.toml services/trainer/pyproject.toml tools/setup_venv.sh tools/vllm_cpu_fixup.sh
@@ -35,10 +38,10 @@ $(STAMP): $(SETUP_INPUTS)
 	@touch $@
 
 unit: setup ## Fast tests: no network, no vLLM processes; includes the static compose/Dockerfile checks
-	$(BIN)/pytest tests/unit tests/compose $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/pytest tests/unit tests/compose $(PYTEST_ARGS)
 
 integration: setup ## Real vllm-cpu replicas, real proxy, real trainer, over real HTTP on this machine
-	$(BIN)/pytest -m "integration and not gpu" tests/integration $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/pytest -m "integration and not gpu" tests/integration $(PYTEST_ARGS)
 
 test: unit integration ## Unit then integration (what CI runs)
 

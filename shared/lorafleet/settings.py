@@ -10,6 +10,7 @@ Every field maps to the environment variable of the same name in upper case. The
 
 from __future__ import annotations
 
+import os
 import re
 from functools import cached_property
 from pathlib import Path
@@ -21,6 +22,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # vLLM accepts only these values for --max-lora-rank (vllm/config/lora.py, TRL's VLLM_LORA_RANKS).
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
+ENV_FILE_VARIABLE = "LORAFLEET_ENV_FILE"
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # Never echoed in error messages or logs.
 SECRET_FIELDS = frozenset({"proxy_api_key", "proxy_upstream_token"})
@@ -254,9 +256,14 @@ def env_name(field: str) -> str:
 
 
 def load_settings(**overrides: object) -> Settings:
-    """Read the settings, turning validation errors into one ConfigError that names each variable."""
+    """Read the settings, turning validation errors into one ConfigError that names each variable.
+
+    The environment wins over `.env` in the working directory. LORAFLEET_ENV_FILE names another file,
+    or none when empty (`make test` sets it empty, so a developer's stack `.env` cannot steer the tests).
+    """
+    env_file = os.environ.get(ENV_FILE_VARIABLE, ".env") or None
     try:
-        return Settings(**overrides)  # type: ignore[arg-type]
+        return Settings(_env_file=env_file, **overrides)  # type: ignore[arg-type, call-arg]
     except ValidationError as exc:
         problems = []
         for error in exc.errors():

@@ -122,13 +122,15 @@ def test_values_are_parsed_and_normalized(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_env_file_is_read_and_the_environment_wins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     (tmp_path / ".env").write_text("MAX_STALENESS=7\nLORA_RANK=9\n")
+    monkeypatch.setenv("LORAFLEET_ENV_FILE", ".env")  # `make test` disables .env; this test turns it on
     monkeypatch.setenv("LORA_RANK", "2")
     settings = load_settings()
     assert (settings.max_staleness, settings.lora_rank, settings.max_lora_rank) == (7, 2, 8)
 
 
-def test_bad_value_in_env_file_names_the_variable(tmp_path: Path) -> None:
+def test_bad_value_in_env_file_names_the_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     (tmp_path / ".env").write_text("MAX_STALENESS=-3\n")
+    monkeypatch.setenv("LORAFLEET_ENV_FILE", ".env")
     with pytest.raises(ConfigError, match="MAX_STALENESS: "):
         load_settings()
 
@@ -144,3 +146,9 @@ def test_defaults_are_valid_and_follow_the_published_recipe() -> None:
     assert (settings.lora_rank, settings.lora_alpha, settings.max_staleness, settings.weight_sync_steps) == (1, 2, 4, 4)
     assert settings.adapter_root == Path("/adapters")
     assert (settings.max_loras, settings.max_lora_rank) == (6, 1)
+
+
+def test_an_empty_lorafleet_env_file_disables_the_env_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / ".env").write_text("MAX_STALENESS=7\n")
+    monkeypatch.setenv("LORAFLEET_ENV_FILE", "")
+    assert load_settings().max_staleness == 4
