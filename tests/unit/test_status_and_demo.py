@@ -1,0 +1,71 @@
+"""`lorafleet status` and the demo's report: numbers come from the run's metrics and the fleet, none invented."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lorafleet.demo import build_report, progress_line, summary
+from lorafleet.status import adapter_span, read_metrics, render_status
+
+FLEET = {
+    "replicas": [
+        {"url": "http://127.0.0.1:9001", "state": "ready", "inflight": 3, "routed": 120,
+         "adapters": {f"trl-policy-v{v}": f"/a/trl-policy-v{v}" for v in range(3, 8)}, "last_error": None},
+        {"url": "http://127.0.0.1:9002", "state": "ejected", "inflight": 0, "routed": 40, "adapters": {},
+         "last_error": "health check failed"},
+    ],
+    "ledger": [{"name": f"trl-policy-v{v}", "path": f"/a/trl-policy-v{v}"} for v in range(3, 8)],
+    "router": {"mode": "affinity", "block_size": 128, "routed": 160, "affinity": 136, "spilled": 4, "unmatched": 20,
+               "tracked_blocks": 77},
+    "min_ready": 1,
+}
+
+
+def _metrics(rewards: list[float]) -> list[dict]:
+    return [{"step": i + 1, "reward": r, "ratio": 1.0 + (i % 3 - 1) * 0.002, "perf/weight_sync_s": 0.1 * (i + 1)}
+            for i, r in enumerate(rewards)]
+
+
+def test_adapter_span_compacts_policy_versions():
+    assert adapter_span(["trl-policy-v9", "trl-policy-v5", "trl-policy-v7"]) == "trl-policy-v5 … v9 (3)"
+    assert adapter_span(["probe"]) == "probe (1)"
+    assert adapter_span([]) == "-"
+
+
+def test_status_shows_states_errors_routing_shares_and_latest_training_values():
+    text = render_status(FLEET, "http://proxy:8000", _metrics([0.1, 0.2, 0.3]))
+    assert "ready 1/2 (min 1)" in text and "block 128 tokens" in text
+    assert "ejected" in text and "last error: health check failed" in text
+    assert "affinity 85.0%" in text and "spilled 2.5%" in text and "unmatched 12.5%" in text
+    assert "step 3" in text and "reward 0.300" in text
+    assert "training: no metrics logged yet" in render_status(FLEET, "u", [])
+
+
+def test_partial_metrics_lines_are_skipped(tmp_path: Path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n" + '{"step": 2, "rew')
+    assert read_metrics(path) == [{"step": 1, "reward": 0.5}]
+    assert read_metrics(tmp_path / "missing.jsonl") == []
+
+
+def test_report_is_computed_from_the_run():
+    metrics = _metrics([0.0, 0.1, 0.1, 0.2, 0.3, 0.4, 0.5, 0.5, 0.6])
+    cache = {"replicas": {}, "hit_rate": 0.5}
+    report = build_report(metrics, FLEET, cache, wall_s=42.0)
+    assert report["steps"] == 9
+    assert report["reward"]["window_steps"] == 3
+    assert report["reward"]["first_steps_mean"] == (0.0 + 0.1 + 0.1) / 3
+    assert report["reward"]["last_steps_mean"] == (0.5 + 0.5 + 0.6) / 3
+    assert report["importance_ratio"] == {"min": 0.998, "max": 1.002}
+    assert report["weight_sync_s"]["p50"] == 0.5 and report["weight_sync_s"]["count"] == 9
+    assert report["adapters"]["loaded_on"]["http://127.0.0.1:9002"] == []
+    text = summary(report)
+    assert "first 3 steps 0.067 -> last 3 steps 0.533" in text
+    assert "prefix cache hit rate (replicas' /metrics): 50.0%" in text
+
+
+def test_progress_line_names_step_replicas_and_routing():
+    line = progress_line(12.0, 60, _metrics([0.1, 0.2]), FLEET)
+    assert "step 2/60" in line and "reward 0.200" in line
+    assert "replicas 1/2" in line and "routing affinity 85% of 160" in line
