@@ -75,7 +75,8 @@ def test_env_example_values_are_valid_settings(env_entries: dict[str, EnvEntry],
     values.update(dict.fromkeys(required_compose_vars(), "a-secret-key"))
     for name, value in values.items():
         monkeypatch.setenv(name, value)
-    settings = load_settings(_env_file=None)
+    monkeypatch.setenv("LORAFLEET_ENV_FILE", "")  # only the values set above, no .env from the working directory
+    settings = load_settings()
     gpus = settings.gpu_pool
     trainer_gpus = values["TRAINER_GPUS"].split(",")
     # The GPU layout rule: trainer GPUs + one GPU per replica, disjoint.
