@@ -187,6 +187,8 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         metrics = read_metrics(metrics_path)
         report = build_report(metrics, fleet, replica_cache_stats([r.url for r in replicas]),
                               time.monotonic() - begin)
+        _say("==> lorafleet doctor against the demo fleet")
+        report["doctor"] = doctor_table(common, proxy.url)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         plot_report(metrics, out / "report.png")
@@ -197,6 +199,17 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         for service in reversed(started):
             service.stop()
         signal.signal(signal.SIGTERM, previous)
+
+
+def doctor_table(settings_env: dict[str, str], proxy_url: str) -> str:
+    """The doctor's checklist against the fleet the demo trained on (before it is stopped)."""
+    from lorafleet.doctor import render_table, run_doctor_sync
+    from lorafleet.settings import Settings, load_settings
+
+    fields = {name.upper(): name for name in Settings.model_fields}
+    settings = load_settings(**{fields[key]: value for key, value in settings_env.items()},
+                             trainer_vllm_url=proxy_url)
+    return render_table(run_doctor_sync(settings, proxy_url))
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -218,6 +231,8 @@ def summary(report: dict[str, Any]) -> str:
         f"adapters in the ledger: {adapter_span(report['adapters']['ledger'])}",
     ]
     lines += [f"  {url}: {adapter_span(names)}" for url, names in report["adapters"]["loaded_on"].items()]
+    if "doctor" in report:
+        lines += ["", "doctor:", report["doctor"]]
     return "\n".join(lines)
 
 

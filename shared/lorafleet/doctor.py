@@ -300,6 +300,8 @@ def trl_select_adapter_sync(
     from types import SimpleNamespace
 
     from accelerate import PartialState
+    # lorafleet pins TRL 1.16, whose AsyncGRPOTrainer lives in trl.experimental: the warning tells us nothing.
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl.experimental.async_grpo import async_grpo_trainer
 
     PartialState()
