@@ -118,11 +118,8 @@ async def run_trace(base_urls: list[str], prompts: list[list[int]], args: argpar
             tasks.append(asyncio.create_task(group(index, prompt, model)))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - started
-    latencies.sort()
     return {"requests": len(latencies), "errors": errors, "wall_s": round(wall, 3),
-            "requests_per_s": round(len(latencies) / wall, 1),
-            "p50_ms": round(1000 * statistics.median(latencies), 2),
-            "p99_ms": round(1000 * latencies[int(0.99 * (len(latencies) - 1))], 2)}
+            "requests_per_s": round(len(latencies) / wall, 1), **latency_ms(latencies)}
 
 
 async def latency_probe(base_urls: list[str], prompts: list[list[int]], model: str,
@@ -141,15 +138,21 @@ async def latency_probe(base_urls: list[str], prompts: list[list[int]], model: s
                 response.raise_for_status()
 
         await asyncio.gather(*(one(index) for index in range(args.probe_requests)))
-    latencies.sort()
-    return {"p50_ms": round(1000 * statistics.median(latencies), 2),
-            "p99_ms": round(1000 * latencies[int(0.99 * (len(latencies) - 1))], 2)}
+    return latency_ms(latencies)
 
 
-async def cache_stats(fake_urls: list[str]) -> dict[str, int]:
+def latency_ms(latencies: list[float]) -> dict[str, float]:
+    ordered = sorted(latencies)
+    return {"p50_ms": round(1000 * statistics.median(ordered), 2),
+            "p99_ms": round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 2)}
+
+
+async def prefix_cache_hit_frac(fake_urls: list[str]) -> float:
+    """Blocks found in the fake replicas' prefix caches over blocks they were sent, all replicas together."""
     async with httpx.AsyncClient() as client:
         stats = [(await client.get(url + "/fake_stats")).json() for url in fake_urls]
-    return {key: sum(s[key] for s in stats) for key in ("completions", "prompt_blocks", "hit_blocks")}
+    hits, blocks = (sum(s[key] for s in stats) for key in ("hit_blocks", "prompt_blocks"))
+    return round(hits / max(blocks, 1), 4)
 
 
 # --- orchestration -------------------------------------------------------------------------------
@@ -196,7 +199,7 @@ async def bench_mode(mode: str, args: argparse.Namespace, prompts: list[list[int
         cpu = cpu_seconds(proxy.pid) - cpu_before
         async with httpx.AsyncClient() as client:
             router = (await client.get(url + "/fleet")).json()["router"]
-        cache = await cache_stats(fake_urls)
+        hit_frac = await prefix_cache_hit_frac(fake_urls)
         result["light_load"] = await latency_probe([url], prompts, MODEL, args)
         routed = router["routed"]
         result |= {
@@ -204,7 +207,7 @@ async def bench_mode(mode: str, args: argparse.Namespace, prompts: list[list[int
             "affinity_frac": round(router["affinity"] / routed, 4),
             "spilled_frac": round(router["spilled"] / routed, 4),
             "unmatched_frac": round(router["unmatched"] / routed, 4),
-            "prefix_cache_hit_frac": round(cache["hit_blocks"] / max(cache["prompt_blocks"], 1), 4),
+            "prefix_cache_hit_frac": hit_frac,
             "proxy_peak_rss_mib": peak_rss_mib(proxy.pid),
             "proxy_cpu_ms_per_request": round(1000 * cpu / result["requests"], 3),
         }
@@ -235,8 +238,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     fakes, fake_urls = start_fakes(args)
     try:
         direct = await run_trace(fake_urls, prompts, args, proxy=False)
-        cache = await cache_stats(fake_urls)
-        direct["prefix_cache_hit_frac"] = round(cache["hit_blocks"] / max(cache["prompt_blocks"], 1), 4)
+        direct["prefix_cache_hit_frac"] = await prefix_cache_hit_frac(fake_urls)
         direct["light_load"] = await latency_probe(fake_urls, prompts, MODEL, args)
     finally:
         fakes.kill()

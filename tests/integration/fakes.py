@@ -21,13 +21,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from lorafleet.processes import free_port
+from lorafleet.vllm_api import error_body
 
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 
 def vllm_error(status: int, message: str, error_type: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": error_type, "param": param, "code": status}},
-                        status_code=status)
+    return JSONResponse(error_body(message, error_type, status, param), status_code=status)
 
 
 @dataclass

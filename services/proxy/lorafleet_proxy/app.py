@@ -62,9 +62,8 @@ class BearerAuth:
         if scope["type"] == "http":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                body = {"error": {"message": "Unauthorized: a valid 'Authorization: Bearer <key>' header is required",
-                                  "type": "Unauthorized", "param": None, "code": 401}}
-                await JSONResponse(body, status_code=401)(scope, receive, send)
+                message = "Unauthorized: a valid 'Authorization: Bearer <key>' header is required"
+                await error(401, message, "Unauthorized")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -114,7 +113,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                     settings.proxy_block_size or DEFAULT_BLOCK_SIZE)
     ledger = Ledger(ledger_path(settings.adapter_root), settings.adapter_root)
     ledger.restore()
-    fleet = Fleet(settings, router, ledger, transport)
+    fleet = Fleet(settings, router, ledger, transport, on_eject=metrics.ejections.inc)
     forwarder = Forwarder(fleet, router, metrics, settings.proxy_request_timeout_s, settings.proxy_upstream_token)
 
     @asynccontextmanager
@@ -170,9 +169,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         return await timed("reset_prefix_cache", broadcast.reset_prefix_cache(fleet, dict(request.query_params)))
 
     async def reset_other_cache(request: Request) -> Response:
-        results = await broadcast.post_everywhere(fleet, request.url.path, dict(request.query_params))
-        failed = [(replica, exc) for replica, exc in results if isinstance(exc, VLLMError)]
-        return relay(failed[0][1], f"{request.url.path} failed on {failed[0][0].url}") if failed else Response()
+        return await broadcast.reset_cache(fleet, request.url.path, dict(request.query_params))
 
     for path in CACHE_RESET_ROUTES:
         app.add_api_route(path, reset_other_cache, methods=["POST"])

@@ -69,6 +69,15 @@ def _failures(results: list[tuple[Replica, Any]]) -> list[tuple[Replica, VLLMErr
     return [(replica, result) for replica, result in results if isinstance(result, VLLMError)]
 
 
+def _forget(fleet: Fleet, name: str, targets: list[Replica]) -> bool:
+    """Drop `name` from the ledger, the router and the replicas' views; True when the ledger had it."""
+    in_ledger = fleet.ledger.remove(name)
+    fleet.router.drop_adapter(name)
+    for replica in targets:
+        replica.adapters.pop(name, None)
+    return in_ledger
+
+
 # --- load ------------------------------------------------------------------------------------------
 def _check_load_request(fleet: Fleet, body: dict[str, Any]) -> tuple[str, str] | JSONResponse:
     name, path = body.get("lora_name"), body.get("lora_path")
@@ -92,8 +101,7 @@ async def load_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
     if isinstance(checked, JSONResponse):
         return checked
     name, path = checked
-    async with fleet.lock:
-        fleet.generation += 1
+    async with fleet.broadcasting():
         targets = fleet.ready()
         if not targets:
             return no_ready_replica(fleet)
@@ -152,10 +160,7 @@ async def _rebind(fleet: Fleet, name: str, targets: list[Replica]) -> JSONRespon
         if result.status != 404:
             fleet.resync(replica, f"unload of {name} before rebinding failed: {result}")
             return relay(result, f"unloading {name!r} before rebinding it failed on {replica.url}")
-    fleet.ledger.remove(name)
-    fleet.router.drop_adapter(name)
-    for replica in targets:
-        replica.adapters.pop(name, None)
+    _forget(fleet, name, targets)
     reset = await _each(fleet, targets, lambda replica: replica.client.reset_prefix_cache())
     for replica, result in _failures(reset):
         fleet.resync(replica, f"prefix-cache reset failed: {result}")
@@ -173,14 +178,10 @@ async def unload_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
         check_adapter_name(name)
     except AdapterNameError as exc:
         return error(400, str(exc), "InvalidUserInput")
-    async with fleet.lock:
-        fleet.generation += 1
+    async with fleet.broadcasting():
         targets = fleet.ready()
         results = await _each(fleet, targets, lambda replica: replica.client.unload_lora_adapter(name))
-        in_ledger = fleet.ledger.remove(name)
-        fleet.router.drop_adapter(name)
-        for replica in targets:
-            replica.adapters.pop(name, None)
+        in_ledger = _forget(fleet, name, targets)
         removed = [replica for replica, result in results if not isinstance(result, VLLMError)]
         broken = [(replica, exc) for replica, exc in _failures(results) if exc.status != 404]
         for replica, exc in broken:
@@ -198,8 +199,7 @@ async def pause(fleet: Fleet, mode: str) -> Response:
     """Pause every ready replica; if some fail, resume the ones already paused and report the failure."""
     if mode not in PAUSE_MODES:
         return error(400, f"Input should be 'abort', 'wait' or 'keep' (got {mode!r})", "Bad Request", "query.mode")
-    async with fleet.lock:
-        fleet.generation += 1
+    async with fleet.broadcasting():
         targets = fleet.ready()
         if not targets:
             return no_ready_replica(fleet)
@@ -220,8 +220,7 @@ async def pause(fleet: Fleet, mode: str) -> Response:
 
 async def resume(fleet: Fleet) -> Response:
     """Resume every ready replica; one that fails leaves traffic and re-syncs (which resumes it)."""
-    async with fleet.lock:
-        fleet.generation += 1
+    async with fleet.broadcasting():
         fleet.paused_mode = None
         targets = fleet.ready()
         results = await _each(fleet, targets, lambda replica: replica.client.resume())
@@ -236,10 +235,16 @@ async def resume(fleet: Fleet) -> Response:
 
 async def post_everywhere(fleet: Fleet, path: str, params: dict[str, str]) -> list[tuple[Replica, Any]]:
     """POST `path` to every ready replica (cache resets); results as (replica, response or VLLMError)."""
-    async with fleet.lock:
-        fleet.generation += 1
+    async with fleet.broadcasting():
         return await _each(fleet, fleet.ready(),
                            lambda replica: replica.client.request("POST", path, params=params))
+
+
+async def reset_cache(fleet: Fleet, path: str, params: dict[str, str]) -> Response:
+    """Other cache resets (/reset_mm_cache, ...): no routing state to clear; an empty 200 when all succeed."""
+    results = await post_everywhere(fleet, path, params)
+    failed = _failures(results)
+    return relay(failed[0][1], f"{path} failed on {failed[0][0].url}") if failed else Response()
 
 
 async def reset_prefix_cache(fleet: Fleet, params: dict[str, str]) -> Response:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -95,7 +96,8 @@ class Fleet:
     """The replicas, their states and the background loops that keep them in line with the ledger."""
 
     def __init__(self, settings: Settings, router: Router, ledger: Ledger,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 on_eject: Callable[[], None] = lambda: None) -> None:
         self.settings = settings
         self.router = router
         self.ledger = ledger
@@ -105,9 +107,16 @@ class Fleet:
         self.lock = asyncio.Lock()  # held by broadcasts and by a sync's final check: one consistent ledger view
         self.generation = 0  # bumped by every broadcast, so a health check can tell its snapshot is stale
         self.paused_mode: str | None = None  # the fleet is paused (a syncing replica is paused before it is ready)
-        self.ejections = 0
+        self.on_eject = on_eject  # counts ejections in the app's metrics
         self._tasks: list[asyncio.Task[None]] = []
         self._block_sizes: set[int] = set()
+
+    @contextlib.asynccontextmanager
+    async def broadcasting(self) -> AsyncIterator[None]:
+        """Hold the lock for a fleet-wide change and bump the generation, so a health check's snapshot is stale."""
+        async with self.lock:
+            self.generation += 1
+            yield
 
     # --- membership ------------------------------------------------------------------------------
     def ready(self) -> list[Replica]:
@@ -173,7 +182,7 @@ class Fleet:
         if replica.state is State.READY:
             await self._reconcile(replica)
         elif replica.sync_task is None or replica.sync_task.done():
-            replica.sync_task = asyncio.create_task(self.sync(replica), name=f"proxy-sync {replica.url}")
+            self._start_sync(replica)
 
     def note_failure(self, replica: Replica, error: str) -> None:
         """A failed health check or routed call; enough in a row eject the replica."""
@@ -192,7 +201,7 @@ class Fleet:
         replica.adapters = {}
         replica.engine_queue = 0
         self.router.forget_replica(replica.url)
-        self.ejections += 1
+        self.on_eject()
         log.warning("replica ejected url=%s failures=%d error=%s", replica.url, replica.failures, error)
 
     def resync(self, replica: Replica, reason: str) -> None:
@@ -204,7 +213,7 @@ class Fleet:
         replica.state = State.SYNCING
         self.router.forget_replica(replica.url)
         self._cancel_sync(replica)
-        replica.sync_task = asyncio.create_task(self.sync(replica), name=f"proxy-sync {replica.url}")
+        self._start_sync(replica)
 
     async def _reconcile(self, replica: Replica) -> None:
         """Compare a ready replica's /v1/models with the ledger (a restarted replica lost its adapters)."""
@@ -222,10 +231,14 @@ class Fleet:
                                        + metric_total(text, "vllm:num_requests_waiting"))
         if self.lock.locked() or generation != self.generation or replica.state is not State.READY:
             return  # a broadcast ran meanwhile: this snapshot may predate it
-        if actual != self.ledger.entries():
-            missing = sorted(set(self.ledger.entries().items()) - set(actual.items()))
-            extra = sorted(set(actual.items()) - set(self.ledger.entries().items()))
+        wanted = self.ledger.entries()
+        if actual != wanted:
+            missing = sorted(set(wanted.items()) - set(actual.items()))
+            extra = sorted(set(actual.items()) - set(wanted.items()))
             self.resync(replica, f"adapters differ from the ledger (restarted?): missing={missing} extra={extra}")
+
+    def _start_sync(self, replica: Replica) -> None:
+        replica.sync_task = asyncio.create_task(self.sync(replica), name=f"proxy-sync {replica.url}")
 
     def _cancel_sync(self, replica: Replica) -> None:
         if replica.sync_task is not None and replica.sync_task is not asyncio.current_task():
