@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from lorafleet.adapters import fleet_dir, lora_dir, policy_version
+from lorafleet.adapters import fleet_dir, lora_dir, policy_name, policy_version
 from lorafleet.logs import log_event
 from lorafleet.settings import Settings, round_lora_rank
 from lorafleet.vllm_api import ServerInfo, VLLMClient, VLLMError
@@ -141,6 +141,16 @@ def _not_checked(snapshot: Snapshot) -> str:
     return f" Not checked (unreachable, see lora_enabled): {_names(down)}." if down else ""
 
 
+def _with_lora(snapshot: Snapshot) -> list[ReplicaView]:
+    """The reachable replicas served with --enable-lora: the ones whose LoRA limits can be checked."""
+    return [replica for replica in snapshot.reachable() if replica.info is not None and replica.info.lora is not None]
+
+
+def _no_lora_skip(name: str, snapshot: Snapshot) -> CheckResult:
+    return CheckResult(name, Status.SKIP, "no reachable replica with LoRA enabled" + _not_checked(snapshot),
+                       "see lora_enabled")
+
+
 def _norm(path: str) -> str:
     return os.path.normpath(path) if path else path
 
@@ -153,11 +163,11 @@ def adapter_rank(settings: Settings, peft_config: Any = None) -> int:
 
 
 def build_lora_config(settings: Settings) -> Any:
-    """The trainer's PEFT LoraConfig as the settings define it (rank, alpha, all-linear)."""
+    """The trainer's PEFT LoraConfig as the settings define it (rank, alpha, all-linear): the one the trainer uses."""
     from peft import LoraConfig
 
     return LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha, target_modules="all-linear",
-                      task_type="CAUSAL_LM")
+                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
 
 
 # --- the checks (pure) --------------------------------------------------------------------------------
@@ -237,10 +247,9 @@ def check_rank(snapshot: Snapshot, settings: Settings, peft_config: Any = None) 
     """2. The adapter rank is at or below every replica's --max-lora-rank."""
     name = "lora_rank"
     rank = adapter_rank(settings, peft_config)
-    with_lora = [r for r in snapshot.reachable() if r.info is not None and r.info.lora is not None]
+    with_lora = _with_lora(snapshot)
     if not with_lora:
-        return CheckResult(name, Status.SKIP, "no reachable replica with LoRA enabled" + _not_checked(snapshot),
-                           "see lora_enabled")
+        return _no_lora_skip(name, snapshot)
     low = [r for r in with_lora if r.info is not None and r.info.lora is not None and r.info.lora.max_lora_rank < rank]
     if low:
         per = ", ".join(f"{r.url} has --max-lora-rank {r.info.lora.max_lora_rank}" for r in low  # type: ignore[union-attr]
@@ -373,10 +382,9 @@ def check_slots(snapshot: Snapshot, settings: Settings) -> CheckResult:
     """6. --max-loras >= max_staleness + 2 on every replica."""
     name = "lora_slots"
     need = settings.max_staleness + 2
-    with_lora = [r for r in snapshot.reachable() if r.info is not None and r.info.lora is not None]
+    with_lora = _with_lora(snapshot)
     if not with_lora:
-        return CheckResult(name, Status.SKIP, "no reachable replica with LoRA enabled" + _not_checked(snapshot),
-                           "see lora_enabled")
+        return _no_lora_skip(name, snapshot)
     few = [r for r in with_lora if r.info and r.info.lora and r.info.lora.max_loras < need]
     if few:
         per = ", ".join(f"{r.url} has --max-loras {r.info.lora.max_loras}" for r in few  # type: ignore[union-attr]
@@ -417,11 +425,11 @@ def check_versions_kept(snapshot: Snapshot, settings: Settings) -> CheckResult:
         problems.append(f"the ledger lacks {', '.join(f'v{v}' for v in missing)} of the window "
                         f"v{window.start}..v{newest} (MAX_STALENESS={settings.max_staleness})")
     for replica in snapshot.reachable():
-        gone = [v for v in window if v in versions and (replica.adapters or {}).get(f"trl-policy-v{v}") is None]
+        gone = [v for v in window if v in versions and (replica.adapters or {}).get(policy_name(v)) is None]
         if gone:
-            problems.append(f"{replica.url} no longer has {', '.join(f'trl-policy-v{v}' for v in gone)} loaded")
+            problems.append(f"{replica.url} no longer has {', '.join(map(policy_name, gone))} loaded")
     if settings.adapter_root.is_dir():
-        deleted = [f"trl-policy-v{v}" for v in window if v in versions
+        deleted = [policy_name(v) for v in window if v in versions
                    and not Path(versions[v], "adapter_config.json").is_file()]
         if deleted:
             problems.append(f"loaded but their directory is gone: {', '.join(deleted)} (vLLM's engine dies when it "

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lorafleet.doctor import build_lora_config
 from lorafleet.settings import Settings
 
 # The published recipe's optimizer setting (the train script of the reference deployment).
 ADAM_BETA2 = 0.95
-LORA_TARGETS = "all-linear"
 TRL_SCORE_QUEUE_GROUPS = 16  # AsyncRolloutWorker's score_queue_maxsize default (TRL 1.16)
 
 
@@ -64,7 +64,6 @@ def inflight_tasks(settings: Settings, replicas: int) -> int:
 
 def build_configs(settings: Settings, *, replicas: int, cuda: bool) -> TrainerConfigs:
     """AsyncGRPOConfig + LoraConfig for `settings`, with output_dir = <ADAPTER_ROOT>/runs/<RUN_NAME>."""
-    from peft import LoraConfig
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
     inflight = inflight_tasks(settings, replicas)
@@ -96,15 +95,7 @@ def build_configs(settings: Settings, *, replicas: int, cuda: bool) -> TrainerCo
         log_level="info" if settings.log_level == "DEBUG" else "warning",  # transformers' own chatter
         disable_tqdm=True,
     )
-    lora = LoraConfig(
-        r=settings.lora_rank,
-        lora_alpha=settings.lora_alpha,
-        target_modules=LORA_TARGETS,
-        lora_dropout=0.0,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    return TrainerConfigs(grpo=grpo, lora=lora, replicas=replicas)
+    return TrainerConfigs(grpo=grpo, lora=build_lora_config(settings), replicas=replicas)
 
 
 def score_queue_groups(queue_maxsize: int, num_generations: int) -> int:

@@ -116,8 +116,3 @@ def install_cpu_support(threads: int = 0) -> None:
     if threads:
         torch.set_num_threads(threads)
     log.info("CPU mode: MFU metrics off", extra={"fields": {"torch_threads": torch.get_num_threads()}})
-
-
-def needs_cpu_support() -> bool:
-    """True when there is no CUDA (or ROCm) device for TRL's kernels."""
-    return not torch.cuda.is_available()

@@ -86,7 +86,7 @@ async def probe_fleet(settings: Settings, client: VLLMClient) -> int:
 
 
 async def preflight(settings: Settings, lora_config: Any, client: VLLMClient) -> None:
-    """Every check that must pass before training. The doctor's checks are to be called from here too."""
+    """Refuse a fleet TRL would not sync adapters to, before anything changes it (the doctor runs after the sweep)."""
     await wait_healthy(client, settings.trainer_server_timeout_s)
     info = await client.server_info()
     check_adapter_sync(info.raw["vllm_config"], lora_config, settings.max_staleness)
@@ -106,9 +106,7 @@ async def sweep_policies(client: VLLMClient) -> list[str]:
     before training starts, so every policy name can go.
     """
     swept = []
-    for name in sorted(await client.loaded_adapters(), key=lambda item: policy_version(item) or 0):
-        if policy_version(name) is None:
-            continue
+    for name in sorted(filter(policy_version, await client.loaded_adapters()), key=policy_version):
         try:
             await client.unload_lora_adapter(name)
         except VLLMError as exc:

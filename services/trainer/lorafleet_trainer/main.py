@@ -65,12 +65,13 @@ def resolve_settings(overrides: dict[str, Any]) -> Settings:
 def train(settings: Settings, dry_run: bool = False) -> int:
     """Build and run the trainer; returns the process exit code."""
     import torch
+    from lorafleet.doctor import METRICS_FILE  # the file `lorafleet status` and the doctor read
 
     from lorafleet_trainer.config import build_configs, score_queue_groups
-    from lorafleet_trainer.cpu import install_cpu_support, install_torch_attention, needs_cpu_support
+    from lorafleet_trainer.cpu import install_cpu_support, install_torch_attention
     from lorafleet_trainer.fleet import PreflightError, fleet_size, prepare_fleet
     from lorafleet_trainer.resilience import retry_control_calls
-    from lorafleet_trainer.run_state import METRICS_FILE, MetricsJsonl, export_final_adapter, newest_checkpoint
+    from lorafleet_trainer.run_state import MetricsJsonl, export_final_adapter, newest_checkpoint
 
     cuda = torch.cuda.is_available()
     try:
@@ -98,7 +99,7 @@ def train(settings: Settings, dry_run: bool = False) -> int:
     except (PreflightError, VLLMError) as exc:
         log_event(log, "refused", logging.ERROR, reason=str(exc))
         return EXIT_PREFLIGHT
-    if needs_cpu_support():
+    if not cuda:
         install_cpu_support(settings.trainer_cpu_threads)
     elif settings.trainer_attention == "torch":
         install_torch_attention()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.settings import ConfigError, Settings
+from lorafleet.tiny import MODEL_MARKER, WORDS
 
 from lorafleet_trainer.rewards import boxed_answer_reward, target_token_reward
 
@@ -29,7 +30,6 @@ MATH_SYSTEM_PROMPT = "Please reason step by step, and put your final answer with
 PROBLEM_COLUMNS = ("problem", "question", "prompt")
 SOLUTION_COLUMNS = ("solution", "answer", "gold")
 
-TINY_MARKER = "lorafleet-tiny.json"
 TINY_ANCHOR = " cat"
 TINY_TARGETS = 32
 TINY_PROMPTS = 256
@@ -121,7 +121,6 @@ def tiny_dataset(target_ids: list[int], prompts: int = TINY_PROMPTS, seed: int =
     rollouts of one prompt share a cacheable prompt-specific block and prefix routing has work to do.
     """
     from datasets import Dataset
-    from lorafleet.tiny import WORDS
 
     rng = random.Random(seed)
     rows = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(60, 100))) for _ in range(prompts)]
@@ -141,13 +140,18 @@ class Recipe:
     def check(self, settings: Settings) -> None:
         """Refuse settings the recipe cannot run with, naming the variable."""
         if self.name == "tiny":
-            marker = Path(settings.base_model) / TINY_MARKER
+            marker = Path(settings.base_model) / MODEL_MARKER
             if not marker.exists():
                 raise ConfigError(
                     f"BASE_MODEL: TRAINER_RECIPE=tiny needs a model built by `lorafleet make-tiny-model DIR` "
                     f"({marker} not found)"
                 )
-            json.loads(marker.read_text())
+            try:
+                json.loads(marker.read_text())
+            except ValueError:
+                raise ConfigError(
+                    f"BASE_MODEL: {marker} is corrupt; rebuild the model with `lorafleet make-tiny-model DIR`"
+                ) from None
 
     def build(self, settings: Settings) -> tuple[Any, Any, list[Callable[..., list[float]]]]:
         """(tokenizer, train_dataset, reward_funcs) for this recipe."""

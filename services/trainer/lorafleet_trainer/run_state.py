@@ -17,7 +17,6 @@ from lorafleet.logs import log_event
 from transformers import TrainerCallback
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
-METRICS_FILE = "metrics.jsonl"
 log = logging.getLogger(__name__)
 FINAL_ADAPTER = "final-adapter"
 
