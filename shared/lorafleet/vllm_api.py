@@ -197,9 +197,11 @@ class VLLMClient:
         return (await self.request("GET", "/metrics")).text
 
     # --- runtime LoRA ------------------------------------------------------------------------
-    async def load_lora_adapter(self, name: str, path: str, *, load_inplace: bool = False) -> str:
+    async def load_lora_adapter(
+        self, name: str, path: str, *, load_inplace: bool = False, timeout: float = 600.0
+    ) -> str:
         body = {"lora_name": name, "lora_path": path, "load_inplace": load_inplace}
-        return (await self.request("POST", "/v1/load_lora_adapter", json_body=body, timeout=600.0)).text
+        return (await self.request("POST", "/v1/load_lora_adapter", json_body=body, timeout=timeout)).text
 
     async def unload_lora_adapter(self, name: str) -> str:
         return (await self.request("POST", "/v1/unload_lora_adapter", json_body={"lora_name": name})).text

@@ -78,10 +78,8 @@ async def load_until(client: VLLMClient, name: str, path: str, deadline: float) 
     attempt = 0
     while True:
         attempt += 1
-        body = {"lora_name": name, "lora_path": path, "load_inplace": False}
         try:
-            response = await client.request("POST", "/v1/load_lora_adapter", json_body=body,
-                                            timeout=max(deadline - time.monotonic(), 1.0))
+            answer = await client.load_lora_adapter(name, path, timeout=max(deadline - time.monotonic(), 1.0))
         except VLLMError as exc:
             if not exc.adapter_not_found or time.monotonic() + delay >= deadline:
                 raise
@@ -89,7 +87,7 @@ async def load_until(client: VLLMClient, name: str, path: str, deadline: float) 
             delay = min(delay * 2, LOAD_RETRY_MAX_S)
             continue
         log.info("load name=%s replica=%s attempts=%d", name, client.base_url, attempt)
-        return response.text
+        return answer
 
 
 class Fleet:
