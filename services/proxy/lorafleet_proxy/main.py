@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 
 import uvicorn
+from lorafleet.logs import configure
 from lorafleet.settings import ConfigError, Settings, load_settings
 
 from .app import BearerAuth, create_app, require_upstreams
@@ -52,7 +53,10 @@ def main() -> None:
     except ConfigError as exc:
         print(f"lorafleet-proxy: {exc}", file=sys.stderr)
         sys.exit(2)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # The shared logfmt lines of every lorafleet service; httpx's per-request lines (health checks every few
+    # seconds) stay off unless they are warnings.
+    configure("proxy", settings.log_level, loggers=("uvicorn",))
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     asyncio.run(serve(settings))
 
 
