@@ -21,8 +21,9 @@ from typing import Any
 
 import httpx
 
+from lorafleet.adapters import run_dir
 from lorafleet.processes import Service, proxy_service, replica_service, trainer_service, wait_healthy
-from lorafleet.status import adapter_span, latest, read_metrics
+from lorafleet.status import adapter_span, fmt, latest, read_metrics
 from lorafleet.vllm_api import metric_total
 
 
@@ -67,14 +68,13 @@ def progress_line(elapsed: float, steps: int, metrics: list[dict[str, Any]], fle
     hit = f"{100 * router.get('affinity', 0) / routed:.0f}%" if routed else "-"
     adapters = "; ".join(f"{r.get('state')}: {adapter_span(list(r.get('adapters', {})))}" for r in replicas)
 
-    def fmt(key: str, spec: str) -> str:
-        value = latest(metrics, key)
-        return "-" if value is None else format(value, spec)
+    def last(key: str, spec: str) -> str:
+        return fmt(latest(metrics, key), spec)
 
     return (
-        f"[{elapsed:5.0f}s] step {fmt('step', 'd')}/{steps}  reward {fmt('reward', '.3f')}  "
-        f"ratio {fmt('ratio', '.4f')}  queue {fmt('sample/rollout_queue_size', '.0f')}  "
-        f"staleness {fmt('sample/staleness_mean', '.2f')}  sync {fmt('perf/weight_sync_s', '.2f')}s | "
+        f"[{elapsed:5.0f}s] step {last('step', 'd')}/{steps}  reward {last('reward', '.3f')}  "
+        f"ratio {last('ratio', '.4f')}  queue {last('sample/rollout_queue_size', '.0f')}  "
+        f"staleness {last('sample/staleness_mean', '.2f')}  sync {last('perf/weight_sync_s', '.2f')}s | "
         f"replicas {ready}/{len(replicas)} [{adapters}] | routing affinity {hit} of {routed}"
     )
 
@@ -173,7 +173,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         trainer = trainer_service("trainer", {**common, "TRAINER_RECIPE": "tiny", "TRAINER_VLLM_URL": proxy.url,
                                               "MAX_STEPS": str(options.steps)}, logs)
         started.append(trainer.start())
-        metrics_path = adapter_root / "runs" / "demo" / "metrics.jsonl"
+        metrics_path = run_dir(adapter_root, "demo") / "metrics.jsonl"
         fleet: dict[str, Any] = {}
         with httpx.Client(timeout=10) as client:
             while trainer.alive:
@@ -204,28 +204,25 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
 def doctor_table(settings_env: dict[str, str], proxy_url: str) -> str:
     """The doctor's checklist against the fleet the demo trained on (before it is stopped)."""
     from lorafleet.doctor import render_table, run_doctor_sync
-    from lorafleet.settings import Settings, load_settings
+    from lorafleet.settings import Settings, env_name, load_settings
 
-    fields = {name.upper(): name for name in Settings.model_fields}
+    fields = {env_name(name): name for name in Settings.model_fields}
     settings = load_settings(**{fields[key]: value for key, value in settings_env.items()},
                              trainer_vllm_url=proxy_url)
     return render_table(run_doctor_sync(settings, proxy_url))
 
 
 def summary(report: dict[str, Any]) -> str:
-    def num(value: Any, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
     reward, ratio, sync = report["reward"], report["importance_ratio"], report["weight_sync_s"]
     router = report["routing"]
     routed = router.get("routed", 0)
     lines = [
         f"steps {report['steps']} in {report['wall_clock_s']:.0f}s",
-        f"reward: first {reward['window_steps']} steps {num(reward['first_steps_mean'], '.3f')} -> "
-        f"last {reward['window_steps']} steps {num(reward['last_steps_mean'], '.3f')}",
-        f"importance ratio: {num(ratio['min'], '.4f')} .. {num(ratio['max'], '.4f')}",
-        f"weight sync: p50 {num(sync['p50'], '.2f')}s  p95 {num(sync['p95'], '.2f')}s  ({sync['count']} syncs)",
-        f"prefix cache hit rate (replicas' /metrics): {num(report['prefix_cache']['hit_rate'], '.1%')}",
+        f"reward: first {reward['window_steps']} steps {fmt(reward['first_steps_mean'], '.3f')} -> "
+        f"last {reward['window_steps']} steps {fmt(reward['last_steps_mean'], '.3f')}",
+        f"importance ratio: {fmt(ratio['min'], '.4f')} .. {fmt(ratio['max'], '.4f')}",
+        f"weight sync: p50 {fmt(sync['p50'], '.2f')}s  p95 {fmt(sync['p95'], '.2f')}s  ({sync['count']} syncs)",
+        f"prefix cache hit rate (replicas' /metrics): {fmt(report['prefix_cache']['hit_rate'], '.1%')}",
         f"routing: {routed} routed, affinity {router.get('affinity', 0)}, spilled {router.get('spilled', 0)}, "
         f"unmatched {router.get('unmatched', 0)}",
         f"adapters in the ledger: {adapter_span(report['adapters']['ledger'])}",

@@ -19,6 +19,8 @@ from typing import Literal
 from pydantic import Field, ValidationError, computed_field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from lorafleet.adapters import run_dir
+
 # vLLM accepts only these values for --max-lora-rank (vllm/config/lora.py, TRL's VLLM_LORA_RANKS).
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -40,8 +42,9 @@ def round_lora_rank(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} is above vLLM's largest --max-lora-rank ({VLLM_LORA_RANKS[-1]})")
 
 
-def _csv(value: str) -> list[str]:
-    return [item.strip() for item in value.split(",") if item.strip()]
+def _csv(value: str, sep: str = ",") -> list[str]:
+    """The non-empty items of a `sep`-separated list, stripped."""
+    return [item.strip() for item in value.split(sep) if item.strip()]
 
 
 class Settings(BaseSettings):
@@ -193,7 +196,7 @@ class Settings(BaseSettings):
     @field_validator("vllm_cpu_sets")
     @classmethod
     def _cpu_sets_are_core_lists(cls, value: str) -> str:
-        sets = [item.strip() for item in value.split(";") if item.strip()]
+        sets = _csv(value, ";")
         if not sets or not all(re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", item) for item in sets):
             raise ValueError("must be core sets separated by ';', each like 0 or 0-3 or 0,2")
         return value
@@ -243,11 +246,11 @@ class Settings(BaseSettings):
 
     @property
     def cpu_pool(self) -> list[str]:
-        return [item.strip() for item in self.vllm_cpu_sets.split(";") if item.strip()]
+        return _csv(self.vllm_cpu_sets, ";")
 
     @property
     def run_dir(self) -> Path:
-        return self.adapter_root / "runs" / self.run_name
+        return run_dir(self.adapter_root, self.run_name)
 
 
 def env_name(field: str) -> str:

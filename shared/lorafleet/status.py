@@ -66,7 +66,8 @@ def _pct(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
 
 
-def _fmt(value: Any, spec: str) -> str:
+def fmt(value: Any, spec: str) -> str:
+    """`value` formatted with `spec`, or `-` when nothing was logged."""
     return "-" if value is None else format(value, spec)
 
 
@@ -97,11 +98,11 @@ def render_status(fleet: dict[str, Any], url: str, metrics: list[dict[str, Any]]
     )
     if metrics:
         lines.append(
-            f"training: step {_fmt(latest(metrics, 'step'), 'd')}  reward {_fmt(latest(metrics, 'reward'), '.3f')}  "
-            f"ratio {_fmt(latest(metrics, 'ratio'), '.4f')}  "
-            f"staleness {_fmt(latest(metrics, 'sample/staleness_mean'), '.2f')}  "
-            f"queue {_fmt(latest(metrics, 'sample/rollout_queue_size'), '.0f')}  "
-            f"sync {_fmt(latest(metrics, 'perf/weight_sync_s'), '.2f')}s"
+            f"training: step {fmt(latest(metrics, 'step'), 'd')}  reward {fmt(latest(metrics, 'reward'), '.3f')}  "
+            f"ratio {fmt(latest(metrics, 'ratio'), '.4f')}  "
+            f"staleness {fmt(latest(metrics, 'sample/staleness_mean'), '.2f')}  "
+            f"queue {fmt(latest(metrics, 'sample/rollout_queue_size'), '.0f')}  "
+            f"sync {fmt(latest(metrics, 'perf/weight_sync_s'), '.2f')}s"
         )
     else:
         lines.append("training: no metrics logged yet")

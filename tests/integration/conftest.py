@@ -12,9 +12,10 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from lorafleet.adapters import adapter_dir
-from lorafleet.processes import Service, proxy_service, replica_service, wait_healthy
+from lorafleet.processes import Service, proxy_service, replica_service, trainer_service, wait_healthy
 from lorafleet.tiny import make_adapter as build_adapter
 from lorafleet.tiny import make_tiny_model
 
@@ -53,6 +54,17 @@ def make_adapter(tiny_model: Path, adapter_root: Path) -> Callable[..., Path]:
         return target
 
     return make
+
+
+@pytest.fixture(scope="session")
+def served_adapters() -> Callable[[str], dict[str, str]]:
+    """`served_adapters(url)`: adapter name -> path as the vLLM server at `url` itself lists them (/v1/models)."""
+
+    def served(url: str) -> dict[str, str]:
+        models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+        return {card["id"]: card["root"] for card in models if card.get("parent")}
+
+    return served
 
 
 @pytest.fixture(scope="session")
@@ -116,6 +128,22 @@ def start_replicas(
 def shared_replicas(start_replicas: Callable[..., list[Service]]) -> list[Service]:
     """Two default replicas for the whole session. Use your own adapter names; unload what you load."""
     return start_replicas(2)
+
+
+@pytest.fixture(scope="session")
+def start_trainer(tiny_model: Path, log_dir: Path) -> Callable[..., Service]:
+    """`start_trainer(name, root, run, proxy_url, **settings)`: a real `lorafleet-train` on the tiny recipe.
+
+    Runs RUN_NAME `run` under ADAPTER_ROOT `root` against the proxy at `proxy_url`; `settings` are extra
+    environment (e.g. `MAX_STEPS=3`). The caller waits for it and stops it.
+    """
+
+    def start(name: str, root: Path, run: str, proxy_url: str, **settings: object) -> Service:
+        env = {"TRAINER_RECIPE": "tiny", "BASE_MODEL": str(tiny_model), "ADAPTER_ROOT": str(root), "RUN_NAME": run,
+               "TRAINER_VLLM_URL": proxy_url, **{key: str(value) for key, value in settings.items()}}
+        return trainer_service(name, env, log_dir).start()
+
+    return start
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-from lorafleet.processes import Service, free_port, replica_service, trainer_service, wait_healthy
+from lorafleet.adapters import run_dir
+from lorafleet.processes import Service, free_port, replica_service, wait_healthy
 from lorafleet.status import read_metrics
 
 pytestmark = pytest.mark.integration
@@ -58,16 +59,14 @@ def _routed_above(proxy: Service, url: str, count: int):
     return check
 
 
-def _trainer(name: str, root: Path, run: str, proxy: Service, model: Path, log_dir: Path, steps: int) -> Service:
-    env = {"TRAINER_RECIPE": "tiny", "BASE_MODEL": str(model), "ADAPTER_ROOT": str(root), "RUN_NAME": run,
-           "TRAINER_VLLM_URL": proxy.url, "MAX_STEPS": str(steps), "MAX_MODEL_LEN": "512"}
-    return trainer_service(name, env, log_dir).start()
-
-
 def _finish(trainer: Service) -> None:
     assert trainer.process is not None
     code = trainer.process.wait(timeout=RUN_TIMEOUT_S)
     assert code == 0, f"trainer exited {code}:\n{trainer.log_tail(80)}"
+
+
+def _metrics(root: Path, run: str) -> list[dict[str, Any]]:
+    return read_metrics(run_dir(root, run) / "metrics.jsonl")
 
 
 def _steps(metrics: list[dict[str, Any]]) -> list[int]:
@@ -75,7 +74,11 @@ def _steps(metrics: list[dict[str, Any]]) -> list[int]:
 
 
 def _step_now(root: Path, run: str) -> int:
-    return max(_steps(read_metrics(root / "runs" / run / "metrics.jsonl")), default=0)
+    return max(_steps(_metrics(root, run)), default=0)
+
+
+def _retries(root: Path, run: str) -> float:
+    return sum(row.get("rollout/vllm_retry_total", 0) for row in _metrics(root, run))
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +89,14 @@ def root(adapter_root: Path) -> Path:
 
 
 def test_training_survives_scale_out_replica_loss_and_proxy_restart(
-    shared_replicas, start_proxy, replica_env, tiny_model, log_dir, root
+    shared_replicas, start_proxy, start_trainer, replica_env, log_dir, root
 ):
     late_port = free_port()  # the third replica's address is known to the proxy before it exists
     late_url = f"http://127.0.0.1:{late_port}"
     proxy = start_proxy(shared_replicas, root=root, PROXY_UPSTREAMS=",".join([r.url for r in shared_replicas]
                                                                               + [late_url]))
     assert _replica(_fleet(proxy), late_url)["state"] in ("joining", "ejected")
-    trainer = _trainer("trainer-chaos", root, "chaos", proxy, tiny_model, log_dir, CHAOS_MAX_STEPS)
+    trainer = start_trainer("trainer-chaos", root, "chaos", proxy.url, MAX_STEPS=CHAOS_MAX_STEPS, MAX_MODEL_LEN=512)
     # Scale out mid-run: the new replica boots while the trainer warms up and publishes its first versions.
     late: Service | None = replica_service("replica-late", replica_env, log_dir, port=late_port).start()
     try:
@@ -141,7 +144,7 @@ def test_training_survives_scale_out_replica_loss_and_proxy_restart(
         fleet_after = _fleet(proxy) if proxy.alive else None
         proxy.stop()
 
-    metrics = read_metrics(root / "runs" / "chaos" / "metrics.jsonl")
+    metrics = _metrics(root, "chaos")
     steps = _steps(metrics)
     assert steps == list(range(1, steps[-1] + 1)), "every optimizer step was logged"
     ratios = [row["ratio"] for row in metrics if "ratio" in row]
@@ -155,16 +158,14 @@ def test_training_survives_scale_out_replica_loss_and_proxy_restart(
             assert set(replica["adapters"]) == set(_ledger(fleet_after))
 
 
-def _retries(root: Path, run: str) -> float:
-    return sum(row.get("rollout/vllm_retry_total", 0) for row in read_metrics(root / "runs" / run / "metrics.jsonl"))
-
-
-def test_second_run_reusing_policy_names_is_safe(shared_replicas, start_proxy, tiny_model, log_dir, root):
+def test_second_run_reusing_policy_names_is_safe(
+    shared_replicas, start_proxy, start_trainer, root, served_adapters
+):
     """Run 2 publishes trl-policy-v1.. again from another folder: the fleet re-binds the names cleanly."""
     proxy = start_proxy(shared_replicas, root=root)
     first_run = _ledger(_fleet(proxy))
     assert first_run, "the first run's adapters should still be in the restored ledger"
-    trainer = _trainer("trainer-rerun", root, "rerun", proxy, tiny_model, log_dir, RERUN_STEPS)
+    trainer = start_trainer("trainer-rerun", root, "rerun", proxy.url, MAX_STEPS=RERUN_STEPS, MAX_MODEL_LEN=512)
     try:
         _finish(trainer)
     finally:
@@ -176,10 +177,8 @@ def test_second_run_reusing_policy_names_is_safe(shared_replicas, start_proxy, t
     assert ledger and all("/runs/rerun/" in path for path in ledger.values()), ledger
     for replica in fleet["replicas"]:
         assert replica["adapters"] == ledger, f"{replica['url']} holds {replica['adapters']}"
-        # Observed on the replica itself, not the proxy's word.
-        models = httpx.get(replica["url"] + "/v1/models", timeout=10).json()["data"]
-        assert {m["id"]: m["root"] for m in models[1:]} == ledger
-    metrics = read_metrics(root / "runs" / "rerun" / "metrics.jsonl")
+        assert served_adapters(replica["url"]) == ledger  # observed on the replica itself, not the proxy's word
+    metrics = _metrics(root, "rerun")
     ratios = [row["ratio"] for row in metrics if "ratio" in row]
     # A stale prefix-cache hit under a reused name would serve logprobs of the old weights: ratio != 1.
     assert ratios and all(0.98 <= r <= 1.02 for r in ratios), ratios

@@ -8,13 +8,14 @@ runs the fleet cannot serve are refused before anything is published.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from lorafleet.adapters import lora_dir, policy_name
-from lorafleet.processes import Service, trainer_service
+from lorafleet.processes import Service
 from lorafleet.status import read_metrics
 
 pytestmark = pytest.mark.integration
@@ -41,10 +42,9 @@ def fleet(shared_replicas, start_proxy, root: Path) -> tuple[list[Service], Serv
     proxy.stop()
 
 
-def _train(name: str, root: Path, proxy: Service, model: Path, log_dir: Path, **settings: Any) -> tuple[int, str]:
-    env = {"TRAINER_RECIPE": "tiny", "BASE_MODEL": str(model), "ADAPTER_ROOT": str(root), "RUN_NAME": RUN,
-           "TRAINER_VLLM_URL": proxy.url, "HF_HUB_OFFLINE": "1", **{k: str(v) for k, v in settings.items()}}
-    trainer = trainer_service(name, env, log_dir).start()
+def _train(start_trainer: Callable[..., Service], name: str, root: Path, proxy: Service,
+           **settings: Any) -> tuple[int, str]:
+    trainer = start_trainer(name, root, RUN, proxy.url, HF_HUB_OFFLINE="1", **settings)
     assert trainer.process is not None
     try:
         code = trainer.process.wait(timeout=RUN_TIMEOUT_S)
@@ -53,20 +53,16 @@ def _train(name: str, root: Path, proxy: Service, model: Path, log_dir: Path, **
     return code, trainer.log_path.read_text()
 
 
-def _served(replica: Service) -> dict[str, str]:
-    """Adapter name -> path, as the replica itself reports it (not the proxy's word)."""
-    models = httpx.get(replica.url + "/v1/models", timeout=10).json()["data"]
-    return {card["id"]: card["root"] for card in models if card.get("parent")}
-
-
 def _metrics(root: Path) -> list[dict[str, Any]]:
     return [row for row in read_metrics(root / "runs" / RUN / "metrics.jsonl") if "ratio" in row]
 
 
-def test_tiny_recipe_trains_3_steps_and_publishes_each_version_on_both_replicas(fleet, root, tiny_model, log_dir):
+def test_tiny_recipe_trains_3_steps_and_publishes_each_version_on_both_replicas(
+    fleet, root, start_trainer, served_adapters
+):
     replicas, proxy = fleet
     started = time.monotonic()
-    code, log = _train("trainer-run1", root, proxy, tiny_model, log_dir, MAX_STEPS=STEPS, SAVE_STEPS=STEPS)
+    code, log = _train(start_trainer, "trainer-run1", root, proxy, MAX_STEPS=STEPS, SAVE_STEPS=STEPS)
     elapsed = time.monotonic() - started
     assert code == 0, log[-4000:]
     assert elapsed < RUN_TIMEOUT_S
@@ -83,14 +79,16 @@ def test_tiny_recipe_trains_3_steps_and_publishes_each_version_on_both_replicas(
     # Cold sync = v1, then one sync per step (the tiny recipe's WEIGHT_SYNC_STEPS=1): v1..v4, all still loaded.
     published = {policy_name(v): str(lora_dir(root, RUN) / policy_name(v)) for v in range(1, STEPS + 2)}
     for replica in replicas:
-        assert _served(replica) == published, replica.url
+        assert served_adapters(replica.url) == published, replica.url
     assert (root / "runs" / RUN / "final-adapter" / "adapter_config.json").is_file()
     assert (root / "runs" / RUN / f"checkpoint-{STEPS}" / "rollout_state.json").is_file()
 
 
-def test_second_start_resumes_the_checkpoint_and_keeps_version_numbering(fleet, root, tiny_model, log_dir):
+def test_second_start_resumes_the_checkpoint_and_keeps_version_numbering(
+    fleet, root, start_trainer, served_adapters
+):
     replicas, proxy = fleet
-    code, log = _train("trainer-run2", root, proxy, tiny_model, log_dir, MAX_STEPS=STEPS + 2)
+    code, log = _train(start_trainer, "trainer-run2", root, proxy, MAX_STEPS=STEPS + 2)
     assert code == 0, log[-4000:]
     assert f"event=resuming checkpoint={root / 'runs' / RUN / f'checkpoint-{STEPS}'}" in log
     assert "model_version=4" in log
@@ -102,7 +100,7 @@ def test_second_start_resumes_the_checkpoint_and_keeps_version_numbering(fleet, 
     # Numbering continued after v4: cold sync v5, then v6 and v7; nothing older is loaded any more.
     expected = {policy_name(v): str(lora_dir(root, RUN) / policy_name(v)) for v in (5, 6, 7)}
     for replica in replicas:
-        assert _served(replica) == expected, replica.url
+        assert served_adapters(replica.url) == expected, replica.url
 
 
 @pytest.mark.parametrize(
@@ -112,11 +110,13 @@ def test_second_start_resumes_the_checkpoint_and_keeps_version_numbering(fleet, 
         ({"LORA_RANK": "16"}, "Restart it with `--max-lora-rank 16`"),
     ],
 )
-def test_a_fleet_that_cannot_serve_adapter_only_sync_is_refused(fleet, root, tiny_model, log_dir, settings, reason):
+def test_a_fleet_that_cannot_serve_adapter_only_sync_is_refused(
+    fleet, root, start_trainer, served_adapters, settings, reason
+):
     replicas, proxy = fleet
-    before = {replica.url: _served(replica) for replica in replicas}
-    code, log = _train("trainer-refused", root, proxy, tiny_model, log_dir, RUN_NAME="refused", **settings)
+    before = {replica.url: served_adapters(replica.url) for replica in replicas}
+    code, log = _train(start_trainer, "trainer-refused", root, proxy, RUN_NAME="refused", **settings)
     assert code == 3, log[-4000:]
     assert "event=refused" in log and "refusing to start" in log and reason in log
     assert not (root / "runs" / "refused").exists()  # nothing trained, nothing published
-    assert {replica.url: _served(replica) for replica in replicas} == before
+    assert {replica.url: served_adapters(replica.url) for replica in replicas} == before
