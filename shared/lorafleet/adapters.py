@@ -17,6 +17,7 @@ POLICY_NAME_PATTERN = re.compile(r"^trl-policy-v([1-9][0-9]{0,8})$")
 ADAPTER_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FLEET_DIR_NAME = ".fleet"
 LORA_DIR_NAME = ".vllm_lora"
+METRICS_FILE = "metrics.jsonl"  # one JSON line per logged step; status and the doctor read it
 
 
 class AdapterPathError(ValueError):
@@ -73,6 +74,11 @@ def confine(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path:
 def run_dir(root: Path, run: str) -> Path:
     """`<root>/runs/<run>`: the trainer's output_dir (checkpoints, metrics, final adapter)."""
     return root / "runs" / run
+
+
+def metrics_path(root: Path, run: str) -> Path:
+    """`<root>/runs/<run>/metrics.jsonl`: the trainer writes it, `lorafleet status`, the doctor and the demo read it."""
+    return run_dir(root, run) / METRICS_FILE
 
 
 def lora_dir(root: Path, run: str) -> Path:

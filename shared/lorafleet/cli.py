@@ -35,7 +35,7 @@ def _status(args: argparse.Namespace) -> int:
     except Exception as exc:  # any transport or HTTP error: say where we looked and why it failed
         print(f"lorafleet status: cannot read {url}/fleet: {exc}", file=sys.stderr)
         return 1
-    print(render_status(fleet, url, read_metrics(settings.run_dir / "metrics.jsonl")))
+    print(render_status(fleet, url, read_metrics(settings.metrics_path)))
     return 0
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from lorafleet.adapters import run_dir
+from lorafleet.adapters import metrics_path
 from lorafleet.processes import Service, proxy_service, replica_service, trainer_service, wait_healthy
 from lorafleet.status import adapter_span, fmt, latest, read_metrics
 from lorafleet.vllm_api import metric_total
@@ -173,18 +173,18 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         trainer = trainer_service("trainer", {**common, "TRAINER_RECIPE": "tiny", "TRAINER_VLLM_URL": proxy.url,
                                               "MAX_STEPS": str(options.steps)}, logs)
         started.append(trainer.start())
-        metrics_path = run_dir(adapter_root, "demo") / "metrics.jsonl"
+        metrics_file = metrics_path(adapter_root, "demo")
         fleet: dict[str, Any] = {}
         with httpx.Client(timeout=10) as client:
             while trainer.alive:
                 time.sleep(3)
                 fleet = client.get(proxy.url + "/fleet").json()
-                _say(progress_line(time.monotonic() - begin, options.steps, read_metrics(metrics_path), fleet))
+                _say(progress_line(time.monotonic() - begin, options.steps, read_metrics(metrics_file), fleet))
             fleet = client.get(proxy.url + "/fleet").json()
         assert trainer.process is not None
         if trainer.process.returncode != 0:
             raise RuntimeError(f"the trainer failed (exit {trainer.process.returncode}):\n{trainer.log_tail(60)}")
-        metrics = read_metrics(metrics_path)
+        metrics = read_metrics(metrics_file)
         report = build_report(metrics, fleet, replica_cache_stats([r.url for r in replicas]),
                               time.monotonic() - begin)
         _say("==> lorafleet doctor against the demo fleet")

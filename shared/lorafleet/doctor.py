@@ -40,7 +40,6 @@ log = logging.getLogger("lorafleet.doctor")
 
 PROBE_PREFIX = "lorafleet-doctor-probe"
 LEDGER_FILE = "proxy-ledger.json"
-METRICS_FILE = "metrics.jsonl"
 RATIO_WARN = 0.01  # |ratio - 1| above this: WARN
 RATIO_FAIL = 0.05  # |ratio - 1| above this: FAIL
 PROBE_PROMPT = "the red fox"
@@ -587,7 +586,7 @@ async def gather_snapshot(settings: Settings, fleet_url: str | None, replica_url
         snapshot.ledger, snapshot.ledger_source = _ledger_file(settings.adapter_root)
     token = settings.proxy_upstream_token
     await asyncio.gather(*(_read_replica(replica, token, http) for replica in snapshot.replicas))
-    snapshot.metrics_path = settings.run_dir / METRICS_FILE
+    snapshot.metrics_path = settings.metrics_path
     with contextlib.suppress(OSError):
         snapshot.metrics_lines = snapshot.metrics_path.read_text().splitlines()
     return snapshot

@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, computed_field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from lorafleet.adapters import run_dir
+from lorafleet.adapters import metrics_path, run_dir
 
 # vLLM accepts only these values for --max-lora-rank (vllm/config/lora.py, TRL's VLLM_LORA_RANKS).
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -251,6 +251,10 @@ class Settings(BaseSettings):
     @property
     def run_dir(self) -> Path:
         return run_dir(self.adapter_root, self.run_name)
+
+    @property
+    def metrics_path(self) -> Path:
+        return metrics_path(self.adapter_root, self.run_name)
 
 
 def env_name(field: str) -> str:

@@ -65,7 +65,6 @@ def resolve_settings(overrides: dict[str, Any]) -> Settings:
 def train(settings: Settings, dry_run: bool = False) -> int:
     """Build and run the trainer; returns the process exit code."""
     import torch
-    from lorafleet.doctor import METRICS_FILE  # the file `lorafleet status` and the doctor read
 
     from lorafleet_trainer.config import build_configs, score_queue_groups
     from lorafleet_trainer.cpu import install_cpu_support, install_torch_attention
@@ -120,7 +119,7 @@ def train(settings: Settings, dry_run: bool = False) -> int:
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=configs.lora,
-        callbacks=[MetricsJsonl(settings.run_dir / METRICS_FILE)],
+        callbacks=[MetricsJsonl(settings.metrics_path)],
     )
     trainer.remove_callback(PrinterCallback)  # MetricsJsonl logs each step as one structured line instead
     bound_score_queue(trainer, score_queue_groups(configs.grpo.queue_maxsize, configs.grpo.num_generations))
