@@ -45,7 +45,8 @@ def test_actionlint_accepts_every_workflow(tool_env: dict[str, str]) -> None:
 @pytest.mark.parametrize(
     ("original", "broken", "finding"),
     [
-        ("runs-on: [self-hosted, linux, x64, gpu]", "runs-on: [self-hosted, linux, x64, gpus]", 'label "gpus" is unknown'),
+        ("runs-on: [self-hosted, linux, x64, gpu]", "runs-on: [self-hosted, linux, x64, gpus]",
+         'label "gpus" is unknown'),
         ("if: failure()", "if: failure(", "unexpected end of input"),
         ('run: make test-gpu PYTEST_ARGS="-p no:cacheprovider -rs"', "run: make test-gpu $PYTEST_ARGS",
          "Double quote to prevent globbing"),  # shellcheck SC2086, through actionlint

@@ -17,7 +17,8 @@ results/stack/ (the GPU workflow uploads it).
 
 Knobs: LORAFLEET_STACK_PROFILE (gpu|cpu), LORAFLEET_STACK_REPLICAS (2), LORAFLEET_STACK_MODEL (default: a small
 public instruct model on GPU, the tiny model on CPU), LORAFLEET_STACK_BUILD=1 (build the images first; the
-make targets set it), LORAFLEET_STACK_WAIT_S (`up --wait` limit).
+make targets set it), LORAFLEET_STACK_REQUIRED=1 (fail instead of skip where the host cannot run it; the make
+targets set it too), LORAFLEET_STACK_WAIT_S (`up --wait` limit).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ print(urllib.request.urlopen("http://127.0.0.1:%s/v1/models" % os.environ.get("R
 @pytest.fixture(scope="module")
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
     reason = missing_requirements(PROFILE, REPLICAS)  # type: ignore[arg-type]
+    if reason and os.environ.get("LORAFLEET_STACK_REQUIRED") == "1":  # make test-gpu / test-stack asked for it
+        pytest.fail(reason, pytrace=False)
     if reason:
         pytest.skip(reason)
     plan = plan_stack(PROFILE, replicas=REPLICAS, gpus=detect_gpus() if PROFILE == "gpu" else None,  # type: ignore[arg-type]
