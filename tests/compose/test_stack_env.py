@@ -218,6 +218,18 @@ def test_up_and_run_never_build_or_pull(tmp_path: Path) -> None:
     assert not docker.called("logs") and docker.called("down")
 
 
+def test_the_only_build_is_the_explicit_one_from_the_repository(tmp_path: Path) -> None:
+    """make test-gpu builds first, visibly, from the checkout, with the test's image tag; nothing builds later."""
+    docker = RecordingDocker(outputs={"config": "lorafleet/proxy:stack-test\n"})
+    session = session_for(tmp_path, docker)
+    session.build = True
+    session.start()
+    (build,) = docker.called("build")
+    assert build[build.index("--project-directory") + 1] == str(REPO)
+    assert build[-3:] == ["vllm", "proxy", "trainer"]
+    assert docker.calls.index(build) < docker.calls.index(docker.called("up")[0])
+
+
 def test_missing_images_fail_with_the_make_target_to_build_them(tmp_path: Path) -> None:
     docker = RecordingDocker(fail_on="inspect", outputs={"config": "lorafleet/trainer:stack-test\n"})
     with pytest.raises(StackError, match=r"images not built: lorafleet/trainer:stack-test; .*make test-stack"):
@@ -235,12 +247,18 @@ def test_json_is_parsed_only_after_the_exit_code(tmp_path: Path) -> None:
 # --- reading the running stack ----------------------------------------------------------------------------------
 
 
+# nvidia-smi's csv,noheader lines as an H200 host printed them (one GPU holding a CUDA context), extended to three.
+UUIDS = ["GPU-1fbbfdb5-36a0-0c76-b5da-e0b9e1cc07c1", "GPU-2fbbfdb5-36a0-0c76-b5da-e0b9e1cc07c2",
+         "GPU-3fbbfdb5-36a0-0c76-b5da-e0b9e1cc07c3"]
+
+
 def test_gpu_holdings_come_from_nvidia_smi_and_docker_top() -> None:
-    index_of = parse_gpu_indices("0, GPU-aaa\n1, GPU-bbb\n2, GPU-ccc\n")
-    apps = parse_compute_apps("4242, GPU-bbb\n4243, GPU-bbb\n5151, GPU-ccc\n")
-    pids = {"vllm-1": parse_top_pids("PID\n4242\n4243\n"), "vllm-2": parse_top_pids("PID\n5151\n"),
+    index_of = parse_gpu_indices("".join(f"{i}, {uuid}\n" for i, uuid in enumerate(UUIDS)))
+    apps = parse_compute_apps(f"455, {UUIDS[1]}\n456, {UUIDS[1]}\n5151, {UUIDS[2]}\n")
+    pids = {"vllm-1": parse_top_pids("PID\n455\n456\n"), "vllm-2": parse_top_pids("PID\n5151\n"),
             "vllm-3": parse_top_pids("PID\n6000\n")}
     assert gpus_held(pids, apps, index_of) == {"vllm-1": {"1"}, "vllm-2": {"2"}, "vllm-3": set()}
+    assert parse_compute_apps("") == {}  # idle GPUs: empty output, exit 0
     assert device_from_environ("PATH=/bin\0CUDA_VISIBLE_DEVICES=3\0HOME=/root\0", "gpu") == "3"
     assert device_from_environ("PATH=/bin\0", "cpu") is None
 

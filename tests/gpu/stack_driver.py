@@ -110,13 +110,12 @@ class Compose:
 
     # --- the life of the stack ---------------------------------------------------------------------------------
     def services(self) -> list[str]:
-        """What the test starts: the one-shot store layout, the replicas, the proxy (the trainer runs on demand)."""
-        return ["store-init", self.plan.replica_service, "proxy"]
+        """What the test starts: replicas and proxy (store-init comes as their dependency; the trainer on demand)."""
+        return [self.plan.replica_service, "proxy"]
 
     def build(self, timeout_s: float = 3600) -> None:
         """Build the images of this profile from the repository (the only step that builds)."""
-        self.run("build", *self.services()[1:], self.plan.trainer_service, timeout_s=timeout_s,
-                 project_directory=REPO)
+        self.run("build", *self.services(), self.plan.trainer_service, timeout_s=timeout_s, project_directory=REPO)
 
     def require_images(self) -> None:
         """Every image the profile uses exists locally; `run` would otherwise build the trainer image silently."""
@@ -133,6 +132,7 @@ class Compose:
                              timeout_s=600)
 
     def up(self, replicas: int, wait_timeout_s: int) -> None:
+        """Start (or scale) the fleet and wait until healthy; the proxy is healthy with one ready replica only."""
         self.run("up", "--detach", "--wait", "--wait-timeout", str(wait_timeout_s), "--no-build", "--pull", "never",
                  "--no-recreate", "--scale", f"{self.plan.replica_service}={replicas}", *self.services(),
                  timeout_s=wait_timeout_s + 120)

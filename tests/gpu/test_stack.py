@@ -148,6 +148,20 @@ def assert_distinct_devices(compose: Compose, count: int) -> None:
     assert set(devices.values()) <= set(compose.plan.replica_pool), f"outside the pool: {devices}"
 
 
+def assert_gpus_held_one_each(stack: Compose) -> None:
+    """What the hardware says, not the logs (problem 7): host nvidia-smi's pids per GPU against `docker top`."""
+    index_of = parse_gpu_indices(host_nvidia_smi("--query-gpu=index,uuid"))
+    apps = parse_compute_apps(host_nvidia_smi("--query-compute-apps=pid,gpu_uuid"))
+    pids = {row["Name"]: parse_top_pids(stack.docker("top", row["ID"], "-eo", "pid").stdout)
+            for row in stack.containers(stack.plan.replica_service)}
+    held = gpus_held(pids, apps, index_of)
+    assert all(len(gpus) == 1 for gpus in held.values()), f"each replica should hold exactly one GPU: {held}"
+    taken = [next(iter(gpus)) for gpus in held.values()]
+    assert len(set(taken)) == len(taken), f"replicas share a GPU: {held}"
+    assert set(taken) <= set(stack.plan.replica_pool), f"a replica holds a GPU outside VLLM_GPUS: {held}"
+    assert not set(taken) & set(stack.plan.trainer_gpus), f"a replica holds the trainer's GPU: {held}"
+
+
 def run_in_replica(compose: Compose, container: str, script: str, *args: str) -> Any:
     return json.loads(compose.docker("exec", container, "python3", "-c", script, *args, timeout_s=600).stdout)
 
@@ -176,7 +190,8 @@ def assert_ratio_in_bounds(rows: list[dict[str, Any]]) -> None:
 
 
 def test_every_replica_is_ready_on_its_own_device(stack: Compose) -> None:
-    # `up --wait` returns once the proxy is healthy, i.e. one replica is ready (problem 4): wait for all of them.
+    # `up --wait` returns once the proxy is healthy, i.e. one replica is ready (problem 4): wait for all of them,
+    # each on a device of its own (problem 1: the env file gives the replicas a pool of their own).
     snapshot = wait_for(lambda: all_ready(stack, stack.plan.replicas), f"{stack.plan.replicas} ready replicas", 900)
     assert len(snapshot["replicas"]) == stack.plan.replicas, snapshot["replicas"]
     assert_distinct_devices(stack, stack.plan.replicas)
@@ -185,19 +200,11 @@ def test_every_replica_is_ready_on_its_own_device(stack: Compose) -> None:
 def test_each_replica_holds_a_different_gpu(stack: Compose) -> None:
     if stack.plan.profile != "gpu":
         pytest.skip("cpu profile: no GPUs to hold (core sets are checked by the device test)")
-    # Host view: nvidia-smi lists the host pids with a CUDA context per GPU; `docker top` gives each container's.
-    index_of = parse_gpu_indices(host_nvidia_smi("--query-gpu=index,uuid"))
-    apps = parse_compute_apps(host_nvidia_smi("--query-compute-apps=pid,gpu_uuid"))
-    pids = {row["Name"]: parse_top_pids(stack.docker("top", row["ID"], "-eo", "pid").stdout)
-            for row in stack.containers(stack.plan.replica_service)}
-    held = gpus_held(pids, apps, index_of)
-    assert all(len(gpus) == 1 for gpus in held.values()), f"each replica should hold exactly one GPU: {held}"
-    taken = [next(iter(gpus)) for gpus in held.values()]
-    assert len(set(taken)) == len(taken), f"replicas share a GPU: {held}"
-    assert not set(taken) & set(stack.plan.trainer_gpus), f"a replica holds the trainer's GPU: {held}"
+    assert_gpus_held_one_each(stack)
 
 
 def test_public_port_rejects_wrong_and_missing_keys(stack: Compose) -> None:
+    """Problem 7: a wrong key too, not only a missing one; the port comes from the same env file (problem 5)."""
     plan = stack.plan
     for key in (None, plan.api_key + "-wrong", ""):
         response = public(plan, "/v1/models", key)
@@ -207,6 +214,7 @@ def test_public_port_rejects_wrong_and_missing_keys(stack: Compose) -> None:
 
 
 def test_short_training_run_syncs_every_replica(stack: Compose) -> None:
+    """Problem 7: real training on the stack (GPU: the small instruct model on the math recipe)."""
     stack.run_trainer(timeout_s=3600)  # raises with the trainer's output unless it exits 0
     rows = metrics(stack, RUN_NAME)
     assert steps(rows) == list(range(1, int(stack.plan.settings["MAX_STEPS"]) + 1)), steps(rows)
@@ -245,6 +253,8 @@ def test_scale_out_claims_a_free_device_and_syncs_before_traffic(stack: Compose)
     entry = next(r for r in snapshot["replicas"] if url_host(r["url"]) == url_of_new)
     assert set(live) <= set(entry["adapters"]), f"the new replica is ready without {set(live) - set(entry['adapters'])}"
     assert_distinct_devices(stack, grown)
+    if stack.plan.profile == "gpu":
+        assert_gpus_held_one_each(stack)
 
 
 def test_replica_killed_mid_run_loses_no_rollout_and_resyncs(stack: Compose) -> None:
