@@ -116,6 +116,7 @@ def test_compose_renders_the_stack_with_the_test_env_file(
 ) -> None:
     project = render(plan, tmp_path, compose_bin, tool_env)
     assert project["name"] == plan.project
+    assert project["networks"]["fleet"]["name"] == f"{plan.project}_fleet"  # Compose.container_ip looks there
     assert {v["name"] for v in project["volumes"].values()} == {f"{plan.project}_{v}" for v in project["volumes"]}
     services = project["services"]
     replica, proxy = services[plan.replica_service], services["proxy"]

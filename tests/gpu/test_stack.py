@@ -31,10 +31,13 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+from lorafleet.adapters import metrics_path
 from lorafleet.doctor import RATIO_FAIL
+from lorafleet.settings import Settings
 from stack_driver import REPO, Compose, StackSession, detect_gpus, host_nvidia_smi, missing_requirements
 from stack_plan import (
     RUN_NAME,
+    Profile,
     StackPlan,
     device_from_environ,
     gpus_held,
@@ -51,7 +54,7 @@ from stack_plan import (
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(7200)]
 
-PROFILE = os.environ.get("LORAFLEET_STACK_PROFILE", "gpu")
+PROFILE: Profile = "cpu" if os.environ.get("LORAFLEET_STACK_PROFILE") == "cpu" else "gpu"
 REPLICAS = int(os.environ.get("LORAFLEET_STACK_REPLICAS", "2"))
 WAIT_S = int(os.environ.get("LORAFLEET_STACK_WAIT_S", "1800" if PROFILE == "gpu" else "900"))
 ARTIFACTS = REPO / "results" / "stack"
@@ -65,8 +68,8 @@ T = TypeVar("T")
 
 # Runs inside a replica container: one greedy completion from that replica's own vLLM (replicas are not published).
 GREEDY = """
-import json, os, sys, urllib.request
-body = json.dumps(json.loads(sys.argv[1])).encode()
+import os, sys, urllib.request
+body = sys.argv[1].encode()
 url = "http://127.0.0.1:%s/v1/completions" % os.environ.get("REPLICA_PORT", "8000")
 request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
 print(urllib.request.urlopen(request, timeout=300).read().decode())
@@ -80,12 +83,12 @@ print(urllib.request.urlopen("http://127.0.0.1:%s/v1/models" % os.environ.get("R
 
 @pytest.fixture(scope="module")
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
-    reason = missing_requirements(PROFILE, REPLICAS)  # type: ignore[arg-type]
+    reason = missing_requirements(PROFILE, REPLICAS)
     if reason and os.environ.get("LORAFLEET_STACK_REQUIRED") == "1":  # make test-gpu / test-stack asked for it
         pytest.fail(reason, pytrace=False)
     if reason:
         pytest.skip(reason)
-    plan = plan_stack(PROFILE, replicas=REPLICAS, gpus=detect_gpus() if PROFILE == "gpu" else None,  # type: ignore[arg-type]
+    plan = plan_stack(PROFILE, replicas=REPLICAS, gpus=detect_gpus() if PROFILE == "gpu" else None,
                       cores=os.cpu_count(), model=os.environ.get("LORAFLEET_STACK_MODEL") or None)
     compose = Compose(plan, tmp_path_factory.mktemp("stack"))
     session = StackSession(compose, ARTIFACTS, build=os.environ.get("LORAFLEET_STACK_BUILD") == "1",
@@ -167,7 +170,8 @@ def run_in_replica(compose: Compose, container: str, script: str, *args: str) ->
 
 
 def metrics(compose: Compose, run: str) -> list[dict[str, Any]]:
-    result = compose.run("exec", "-T", "proxy", "cat", f"/adapters/runs/{run}/metrics.jsonl", check=False)
+    path = metrics_path(Settings.model_fields["adapter_root"].default, run)  # the stack's ADAPTER_ROOT: the default
+    result = compose.run("exec", "-T", "proxy", "cat", str(path), check=False)
     return metric_rows(result.stdout) if result.returncode == 0 else []
 
 
