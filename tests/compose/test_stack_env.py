@@ -245,6 +245,14 @@ def test_json_is_parsed_only_after_the_exit_code(tmp_path: Path) -> None:
         compose.json("config", "--format", "json")
 
 
+def test_a_hung_command_reads_as_a_failed_one() -> None:
+    result = stack_driver.run_command([sys.executable, "-c", "import time; print('started', flush=True); "
+                                       "time.sleep(30)"], timeout_s=1)
+    assert result.returncode == 124 and "timed out after 1s" in result.stderr
+    with pytest.raises(StackError, match="exited 124"):
+        stack_driver.checked(result)
+
+
 # --- reading the running stack ----------------------------------------------------------------------------------
 
 

@@ -30,10 +30,17 @@ class StackError(RuntimeError):
 
 
 def run_command(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """Run with the stack's settings variables removed from the environment: only the env file decides."""
+    """Run with the stack's settings variables removed from the environment: only the env file decides.
+
+    A time-out returns exit code 124 (like timeout(1)) so that callers report it like any failed command.
+    """
     blocked = {env_name(name) for name in Settings.model_fields}
     env = {key: value for key, value in os.environ.items() if key not in blocked and not key.startswith("COMPOSE_")}
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+    try:
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+    except subprocess.TimeoutExpired as exc:  # a hung engine reads as a failed command, with what it printed
+        output = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        return subprocess.CompletedProcess(list(argv), 124, output, f"timed out after {timeout_s:.0f}s")
 
 
 def checked(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
