@@ -190,7 +190,7 @@ def test_failed_up_saves_logs_and_removes_everything(tmp_path: Path) -> None:
     """Problem 3: when `up` fails, logs are saved and `down --volumes` still runs."""
     docker = RecordingDocker(fail_on="up", outputs={"config": "lorafleet/proxy:stack-test\n"})
     session = session_for(tmp_path, docker)
-    with pytest.raises(StackError, match="exited 1:\nup failed: boom"):
+    with pytest.raises(StackError, match=r"(?s)exited 1:\n.*up failed: boom"):
         session.start()
     assert docker.called("logs") and (tmp_path / "artifacts" / "lf-stack-gpu.log").exists()
     (down,) = docker.called("down")

@@ -46,7 +46,8 @@ def run_command(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedPr
 def checked(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
     if result.returncode != 0:
         command = " ".join(result.args) if isinstance(result.args, list) else str(result.args)
-        raise StackError(f"`{command}` exited {result.returncode}:\n{(result.stderr or result.stdout)[-4000:]}")
+        output = "\n".join(part[-3000:] for part in (result.stdout, result.stderr) if part)
+        raise StackError(f"`{command}` exited {result.returncode}:\n{output}")
     return result
 
 
@@ -156,6 +157,14 @@ class Compose:
         artifacts.mkdir(parents=True, exist_ok=True)
         path = artifacts / f"{self.plan.project}.log"
         result = self.run("logs", "--no-color", "--timestamps", check=False, timeout_s=300)
+        path.write_text(result.stdout + result.stderr)
+        return path
+
+    def save_container_log(self, container: str, artifacts: Path) -> Path:
+        """`docker logs` of one container (a detached `compose run`, whose logs `compose logs` does not show)."""
+        artifacts.mkdir(parents=True, exist_ok=True)
+        path = artifacts / f"{container}.log"
+        result = self.docker("logs", "--timestamps", container, check=False)
         path.write_text(result.stdout + result.stderr)
         return path
 

@@ -295,6 +295,9 @@ def test_replica_killed_mid_run_loses_no_rollout_and_resyncs(stack: Compose) -> 
         routed = wait_for(restarted, "the restarted replica ready and synced", 1800, alive=trainer_alive)["routed"]
         wait_for(lambda: (restarted() or {}).get("routed", 0) > routed, "traffic on the restarted replica", 600,
                  alive=trainer_alive)
+    except BaseException:
+        stack.save_container_log(trainer, ARTIFACTS)  # removed (--rm) once stopped
+        raise
     finally:
         stack.docker("stop", "--time", "30", trainer, check=False)
     rows = metrics(stack, CHAOS_RUN)
