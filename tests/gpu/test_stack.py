@@ -179,6 +179,10 @@ def steps(rows: list[dict[str, Any]]) -> list[int]:
     return sorted({int(row["step"]) for row in rows if "step" in row})
 
 
+def last_step(compose: Compose, run: str) -> int:
+    return max(steps(metrics(compose, run)), default=0)
+
+
 def retries(rows: list[dict[str, Any]]) -> float:
     return sum(float(row.get("rollout/vllm_retry_total", 0)) for row in rows)
 
@@ -272,15 +276,15 @@ def test_replica_killed_mid_run_loses_no_rollout_and_resyncs(stack: Compose) -> 
         return state == "true"
 
     try:
-        wait_for(lambda: len(steps(metrics(stack, CHAOS_RUN))) >= 2, "two training steps", 1800, alive=trainer_alive)
+        wait_for(lambda: last_step(stack, CHAOS_RUN) >= 2, "two training steps", 1800, alive=trainer_alive)
         victim = replicas[-1]
         victim_host = stack.container_ip(victim["ID"])
         retries_before = retries(metrics(stack, CHAOS_RUN))
-        step_at_kill = max(steps(metrics(stack, CHAOS_RUN)))
+        step_at_kill = last_step(stack, CHAOS_RUN)
         stack.docker("kill", victim["ID"])
         wait_for(lambda: victim_host not in {url_host(u) for u in ready_urls(fleet(stack))}, "the dead replica out",
                  120, every_s=0.5, alive=trainer_alive)
-        wait_for(lambda: max(steps(metrics(stack, CHAOS_RUN))) >= step_at_kill + 2, "two steps without it", 1200,
+        wait_for(lambda: last_step(stack, CHAOS_RUN) >= step_at_kill + 2, "two steps without it", 1200,
                  alive=trainer_alive)
         assert retries(metrics(stack, CHAOS_RUN)) == retries_before, "a rollout failed while a replica died"
 
