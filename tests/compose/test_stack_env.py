@@ -330,7 +330,7 @@ def test_stack_module_collects_and_skips_with_one_line_reason(tmp_path: Path) ->
         pytest.skip("this host can run the stack test itself (make test-gpu)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAFLEET_STACK_")}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider", "--basetemp",
+        [sys.executable, "-m", "pytest", "tests/gpu/test_stack.py", "-q", "-rs", "-p", "no:cacheprovider", "--basetemp",
          str(tmp_path / "t")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=110, check=False,
     )
