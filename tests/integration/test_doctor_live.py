@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from lorafleet.adapters import lora_dir
-from lorafleet.doctor import CheckResult, Status, render_table, run_doctor, write_probe_adapter
+from lorafleet.commands.doctor import CheckResult, Status, render_table, run_doctor, write_probe_adapter
 from lorafleet.processes import Service, replica_service
 from lorafleet.settings import Settings, load_settings
 from lorafleet.vllm_api import VLLMClient
@@ -238,7 +238,7 @@ class TestMisconfiguredReplicas:
     async def test_cli_exits_non_zero_with_json(self, fleet, tiny_model, root):
         env = {**os.environ, "BASE_MODEL": str(tiny_model), "ADAPTER_ROOT": str(root), "RUN_NAME": RUN,
                "LORA_RANK": "8", "MAX_STALENESS": "4", "TRL_EXPERIMENTAL_SILENCE": "1"}
-        done = subprocess.run([sys.executable, "-m", "lorafleet.cli", "doctor", "--url", fleet["proxy"].url,
+        done = subprocess.run([sys.executable, "-m", "lorafleet.commands.cli", "doctor", "--url", fleet["proxy"].url,
                                "--json", "--no-probe"], env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 1, done.stderr
         rows = {row["name"]: row for row in json.loads(done.stdout)}

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 from lorafleet.adapters import run_dir
+from lorafleet.commands.status import read_metrics
 from lorafleet.processes import Service, free_port, replica_service, wait_healthy
-from lorafleet.status import read_metrics
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 from lorafleet.adapters import lora_dir, policy_name
+from lorafleet.commands.status import read_metrics
 from lorafleet.processes import Service
-from lorafleet.status import read_metrics
 
 pytestmark = pytest.mark.integration
 

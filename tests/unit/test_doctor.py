@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from lorafleet.doctor import (
+from lorafleet.commands.doctor import (
     CheckResult,
     ProbeReport,
     Snapshot,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lorafleet.demo import build_report, progress_line, summary
-from lorafleet.status import adapter_span, read_metrics, render_status
+from lorafleet.commands.demo import build_report, progress_line, summary
+from lorafleet.commands.status import adapter_span, read_metrics, render_status
 
 FLEET = {
     "replicas": [

@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 
 from lorafleet.adapters import metrics_path
+from lorafleet.commands.status import adapter_span, fmt, latest, read_metrics
 from lorafleet.processes import Service, proxy_service, replica_service, trainer_service, wait_healthy
-from lorafleet.status import adapter_span, fmt, latest, read_metrics
 from lorafleet.vllm_api import metric_total
 
 
@@ -203,7 +203,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
 
 def doctor_table(settings_env: dict[str, str], proxy_url: str) -> str:
     """The doctor's checklist against the fleet the demo trained on (before it is stopped)."""
-    from lorafleet.doctor import render_table, run_doctor_sync
+    from lorafleet.commands.doctor import render_table, run_doctor_sync
     from lorafleet.settings import Settings, env_name, load_settings
 
     fields = {env_name(name): name for name in Settings.model_fields}

@@ -24,8 +24,8 @@ def _make_adapter(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from lorafleet.commands.status import fetch_fleet, fleet_endpoint, read_metrics, render_status
     from lorafleet.settings import load_settings
-    from lorafleet.status import fetch_fleet, fleet_endpoint, read_metrics, render_status
 
     settings = load_settings()
     url, token = fleet_endpoint(settings)
@@ -42,7 +42,7 @@ def _status(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     import json
 
-    from lorafleet.doctor import failed, render_table, run_doctor_sync
+    from lorafleet.commands.doctor import failed, render_table, run_doctor_sync
     from lorafleet.logs import configure
     from lorafleet.settings import load_settings
 
@@ -56,8 +56,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from lorafleet.demo import DemoOptions
-    from lorafleet.demo import main as demo_main
+    from lorafleet.commands.demo import DemoOptions
+    from lorafleet.commands.demo import main as demo_main
 
     return demo_main(DemoOptions(out=args.out, replicas=args.replicas, steps=args.steps))
 
