@@ -50,7 +50,7 @@ def check_adapter_sync(server_config: dict[str, Any], lora_config: Any, max_stal
     raises for a too-low --max-lora-rank or --max-loras and only warns (then falls back) for the rest;
     both become a refusal here, carrying TRL's message.
     """
-    from lorafleet.commands.doctor import trl_select_adapter_sync
+    from lorafleet.lora import trl_select_adapter_sync
 
     try:
         adapter_sync, warnings = trl_select_adapter_sync(server_config, lora_config, max_staleness)

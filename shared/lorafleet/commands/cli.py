@@ -47,7 +47,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from lorafleet.settings import load_settings
 
     configure("doctor", "WARNING")  # the table is the output; only cleanup problems go to stderr
-    results = run_doctor_sync(load_settings(), args.url, replicas=args.replica, probe=not args.no_probe)
+    results = run_doctor_sync(load_settings(), args.url, replicas=args.replica, probe=args.probe)
     if args.json:
         print(json.dumps([result.as_json() for result in results], indent=2))
     else:
@@ -94,8 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--replica", action="append", default=[], metavar="URL",
                         help="a replica to check directly besides those in the proxy's /fleet (repeatable)")
     doctor.add_argument("--json", action="store_true", help="print the results as JSON")
-    doctor.add_argument("--no-probe", action="store_true",
-                        help="skip the probe adapter and the pause/resume (for a fleet that is training)")
+    probe = doctor.add_mutually_exclusive_group()
+    probe.add_argument("--probe", action="store_const", const=True, default=None,
+                       help="run the probe (pauses the fleet, takes a LoRA slot) even on a fleet that is training")
+    probe.add_argument("--no-probe", dest="probe", action="store_const", const=False,
+                       help="skip the probe adapter and the pause/resume (default: skipped while training)")
     doctor.set_defaults(func=_doctor)
 
     demo = commands.add_parser("demo", help="CPU demo: tiny model, replicas, proxy, real trainer; writes a report")
