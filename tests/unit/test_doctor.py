@@ -604,3 +604,13 @@ async def test_a_run_logging_steps_counts_as_training(served_fleet, served):
     results = await _doctor(served_fleet, served, probe=None)
     _one(results["adapter_root"], Status.PASS, "through the proxy")
     _clean(served_fleet, served)
+
+
+def test_cli_probe_flags_default_to_auto():
+    from lorafleet.commands.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["doctor"]).probe is None, "the default must decide by whether the fleet is training"
+    assert parse(["doctor", "--probe"]).probe is True and parse(["doctor", "--no-probe"]).probe is False
+    with pytest.raises(SystemExit):
+        parse(["doctor", "--probe", "--no-probe"])
