@@ -43,7 +43,8 @@ def _no_lora_skip(name: str, snapshot: Snapshot) -> CheckResult:
                        "see lora_enabled")
 
 
-def _norm(path: str) -> str:
+def norm_path(path: str) -> str:
+    """A path as vLLM and the ledger may spell it differently (trailing slash, `..`): normalised, "" kept."""
     return os.path.normpath(path) if path else path
 
 
@@ -186,11 +187,11 @@ def check_names(snapshot: Snapshot, exclude: frozenset[str] = frozenset()) -> Ch
     name = "names_immutable"
     problems: list[str] = []
     warnings: list[str] = []
-    ledger = {n: _norm(p) for n, p in (snapshot.ledger or []) if n not in exclude}
+    ledger = {n: norm_path(p) for n, p in (snapshot.ledger or []) if n not in exclude}
     problems += _shared_paths("the ledger", ledger)
     bound: dict[str, dict[str, list[str]]] = {}  # name -> path -> replicas
     for replica in snapshot.reachable():
-        adapters = {n: _norm(p) for n, p in (replica.adapters or {}).items() if n not in exclude}
+        adapters = {n: norm_path(p) for n, p in (replica.adapters or {}).items() if n not in exclude}
         problems += _shared_paths(replica.url, adapters)
         for adapter, path in adapters.items():
             bound.setdefault(adapter, {}).setdefault(path, []).append(replica.url)
@@ -259,8 +260,9 @@ def check_versions_kept(snapshot: Snapshot, settings: Settings) -> CheckResult:
     name = "versions_kept"
     if snapshot.ledger is None:
         return CheckResult(name, Status.SKIP, "no ledger (proxy unreachable)", "see fleet")
-    run_lora = _norm(str(lora_dir(settings.adapter_root, settings.run_name)))
-    versions = {policy_version(n): _norm(p) for n, p in snapshot.ledger if os.path.dirname(_norm(p)) == run_lora}
+    run_lora = norm_path(str(lora_dir(settings.adapter_root, settings.run_name)))
+    versions = {policy_version(n): norm_path(p) for n, p in snapshot.ledger
+                if os.path.dirname(norm_path(p)) == run_lora}
     versions.pop(None, None)
     if not versions:
         return CheckResult(name, Status.SKIP, f"no policy version of run {settings.run_name} published yet "

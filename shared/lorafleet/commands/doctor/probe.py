@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
 
 import httpx
 
+from lorafleet.commands.doctor.checks import norm_path
 from lorafleet.commands.doctor.gather import api_client
 from lorafleet.commands.doctor.model import ProbeReport, Snapshot
 from lorafleet.commands.doctor.probe_adapter import base_model_config, publish_probe_adapter
@@ -52,13 +52,9 @@ async def run_probe(settings: Settings, snapshot: Snapshot, http: httpx.AsyncCli
     return report
 
 
-def _norm(path: str) -> str:
-    return os.path.normpath(path) if path else path
-
-
 async def _listed(direct: VLLMClient, name: str, path: str) -> bool | str:
     try:
-        return _norm((await direct.loaded_adapters()).get(name, "")) == _norm(path)
+        return norm_path((await direct.loaded_adapters()).get(name, "")) == norm_path(path)
     except VLLMError as exc:
         return str(exc)
 
