@@ -5,7 +5,9 @@ Only for faults a real replica cannot be made to produce on demand (a load faili
 for the benchmark. Every body is the one vLLM 0.31.0 writes; paths below are inside the `vllm` package:
 
 - error bodies: `{"error": {"message", "type", "param", "code"}}`, entrypoints/serve/exception_handling/
-  error_response.py `create_error_response` (the `ErrorResponse` model);
+  error_response.py `create_error_response` (the `ErrorResponse` model), whose messages pass through
+  `sanitize_message` (:91; exception_handling/utils.py:7-15): a path under /tmp, /home, /var, ... is
+  written `<path>`, one elsewhere (the stack's /adapters) is kept;
 - "No adapter found" (404 NotFoundError): exceptions.py:83 `LoRAAdapterNotFoundError`, returned by
   entrypoints/openai/models/serving.py:204;
 - "already been loaded" (400 InvalidUserInput): entrypoints/openai/models/serving.py:269-275;
@@ -114,7 +116,8 @@ class FakeReplica:
             name, path = body["lora_name"], body["lora_path"]
             if self.faults.not_found_loads > 0:
                 self.faults.not_found_loads -= 1
-                return vllm_error(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
+                return vllm_error(404, f"Loading lora {name} failed: No adapter found for {_sanitized(path)}",
+                                  "NotFoundError")
             if self.faults.load_error:
                 return vllm_error(*self.faults.load_error)
             if name in self.adapters:
@@ -197,6 +200,12 @@ class FakeReplica:
             hitting = hitting and digest in self.cached_blocks
             self.hit_blocks += hitting
             self.cached_blocks.add(digest)
+
+
+def _sanitized(path: str) -> str:
+    """The path as vLLM's error messages show it: `<path>` under the system folders it masks (the tests' roots)."""
+    masked = ("/home/", "/usr/", "/opt/", "/var/", "/tmp/", "/root/", "/lib/", "/mnt/", "/srv/")
+    return "<path>" if path.startswith(masked) else path
 
 
 async def _broken_body(text: str) -> AsyncIterator[bytes]:
