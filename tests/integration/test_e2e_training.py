@@ -18,6 +18,7 @@ import pytest
 from lorafleet.adapters import run_dir
 from lorafleet.commands.status import read_metrics
 from lorafleet.processes import Service, free_port, replica_service, wait_healthy
+from ratio_bounds import RATIO_LR, near_one
 
 # The chaos run boots a third replica twice and trains through every event; the rerun trains 4 steps.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
@@ -172,7 +173,8 @@ def test_second_run_reusing_policy_names_is_safe(
     proxy = start_proxy(shared_replicas, root=root)
     first_run = _ledger(_fleet(proxy))
     assert first_run, "the first run's adapters should still be in the restored ledger"
-    trainer = start_trainer("trainer-rerun", root, "rerun", proxy.url, MAX_STEPS=RERUN_STEPS, MAX_MODEL_LEN=512)
+    trainer = start_trainer("trainer-rerun", root, "rerun", proxy.url, MAX_STEPS=RERUN_STEPS, MAX_MODEL_LEN=512,
+                            LEARNING_RATE=RATIO_LR)
     try:
         _finish(trainer)
     finally:
@@ -187,8 +189,9 @@ def test_second_run_reusing_policy_names_is_safe(
         assert served_adapters(replica["url"]) == ledger  # observed on the replica itself, not the proxy's word
     metrics = _metrics(root, "rerun")
     ratios = [row["ratio"] for row in metrics if "ratio" in row]
-    # A stale prefix-cache hit under a reused name would serve logprobs of the old weights: ratio != 1.
-    assert ratios and all(0.98 <= r <= 1.02 for r in ratios), ratios
+    # A stale prefix-cache hit under a reused name would serve logprobs of the chaos run's trained weights, far
+    # from this run's (trained at RATIO_LR): the ratio would leave 1 +- RATIO_TOL.
+    assert near_one(ratios), ratios
     # Leave the shared replicas clean for other tests.
     for name in ledger:
         httpx.post(proxy.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)

@@ -3,11 +3,7 @@
 The session's shared float32 replicas behind a proxy of this module's own (own ADAPTER_ROOT and
 ledger). Run 1 (the module fixture `first_run`) trains 3 steps; run 2 resumes its checkpoint; then
 two runs the fleet cannot serve are refused before anything is published.
-
-The importance ratio is bounded by what the test controls: float32 on both sides (server and trainer
-logprobs agree to ~1e-6 per token) and a learning rate so small (RATIO_LR) that no policy version
-differs measurably from the one that sampled, so any |ratio - 1| above RATIO_TOL means the replicas
-served other weights than the trainer holds.
+Both runs train at RATIO_LR, so their importance ratio must be 1 within RATIO_TOL (ratio_bounds.py says why).
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ import pytest
 from lorafleet.adapters import lora_dir, policy_name
 from lorafleet.commands.status import read_metrics
 from lorafleet.processes import Service
+from ratio_bounds import RATIO_LR, near_one
 
 # Session replicas may boot inside the first test (up to STARTUP_TIMEOUT_S), then a run of up to RUN_TIMEOUT_S.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -28,8 +25,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 RUN = "trainer-it"
 STEPS = 3
 RUN_TIMEOUT_S = 600  # the acceptance budget for 3 steps on CI
-RATIO_LR = "1e-9"  # Adam moves each weight by ~lr per step: ~1e-9, far below float32 logprob noise
-RATIO_TOL = 1e-3  # float32 numerics (~1e-6 per token) with three orders of magnitude to spare
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +69,6 @@ def first_run(fleet, root, start_trainer) -> str:
     return log
 
 
-def _near_one(ratios: list[float]) -> bool:
-    return bool(ratios) and all(abs(ratio - 1) <= RATIO_TOL for ratio in ratios)
-
-
 def test_tiny_recipe_trains_3_steps_and_publishes_each_version_on_both_replicas(
     first_run, fleet, root, served_adapters
 ):
@@ -90,7 +81,7 @@ def test_tiny_recipe_trains_3_steps_and_publishes_each_version_on_both_replicas(
     rows = _metrics(root)
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     ratios = [row["ratio"] for row in rows]
-    assert _near_one(ratios), ratios
+    assert near_one(ratios), ratios
     assert all(row["perf/weight_sync_s"] > 0 for row in rows)
 
     # Cold sync = v1, then one sync per step (the tiny recipe's WEIGHT_SYNC_STEPS=1): v1..v4, all still loaded.
@@ -113,7 +104,7 @@ def test_second_start_resumes_the_checkpoint_and_keeps_version_numbering(
     assert "already been loaded" not in log
     rows = _metrics(root)
     assert [row["step"] for row in rows][-2:] == [STEPS + 1, STEPS + 2]
-    assert _near_one([row["ratio"] for row in rows[-2:]]), rows[-2:]
+    assert near_one([row["ratio"] for row in rows[-2:]]), rows[-2:]
     # Numbering continued after v4: cold sync v5, then v6 and v7; nothing older is loaded any more.
     expected = {policy_name(v): str(lora_dir(root, RUN) / policy_name(v)) for v in (5, 6, 7)}
     for replica in replicas:
