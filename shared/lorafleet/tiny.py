@@ -10,6 +10,8 @@ import json
 import random
 from pathlib import Path
 
+from lorafleet.peft_adapter import write_lora_adapter
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -102,26 +104,6 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
 def make_adapter(
     out_dir: str | Path, model_dir: str | Path, rank: int = 1, seed: int = 0, alpha: int | None = None
 ) -> Path:
-    """Write a real PEFT LoRA adapter (all-linear) for `model_dir` with random, non-zero A and B.
-
-    PEFT's default init (B = 0) would make the adapter reproduce the base model exactly, which
-    would let a test pass while a replica silently serves the base model.
-    """
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    config = LoraConfig(
-        r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, target_modules="all-linear", task_type="CAUSAL_LM"
-    )
-    peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(out, safe_serialization=True)
-    return out
+    """Write a real PEFT LoRA adapter (all linear layers) for the model in `model_dir`, seeded and non-zero."""
+    config = json.loads(Path(model_dir, "config.json").read_text())
+    return write_lora_adapter(Path(out_dir), config, str(model_dir), rank=rank, alpha=alpha, seed=seed)

@@ -45,7 +45,8 @@ class VLLMUnreachable(VLLMError):
 
 
 def error_from_response(status: int, text: str) -> VLLMError:
-    """Map a vLLM error body (`{"error": {"message", "type", ...}}`, FastAPI `detail`, or text) to VLLMError."""
+    """Map a vLLM error body to VLLMError: `{"error": {"message", "type", ...}}`, the dev routes'
+    `{"error": "<text>"}` (a failed /pause), FastAPI's `detail`, or plain text."""
     message, error_type = text, ""
     try:
         payload = json.loads(text)
@@ -56,6 +57,8 @@ def error_from_response(status: int, text: str) -> VLLMError:
         if isinstance(err, dict):
             message = str(err.get("message", text))
             error_type = str(err.get("type", ""))
+        elif isinstance(err, str):
+            message = err
         elif isinstance(payload.get("detail"), str):
             message = payload["detail"]
         elif "message" in payload:

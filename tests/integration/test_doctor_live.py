@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 from lorafleet.adapters import lora_dir
-from lorafleet.doctor import CheckResult, Status, render_table, run_doctor, write_probe_adapter
+from lorafleet.commands.doctor import CheckResult, Status, render_table, run_doctor
+from lorafleet.peft_adapter import write_lora_adapter
 from lorafleet.processes import Service, replica_service
 from lorafleet.settings import Settings, load_settings
 from lorafleet.vllm_api import VLLMClient
@@ -85,7 +86,7 @@ class TestHealthyFleet:
         """A fleet in the middle of a run: v1..v5 published and loaded, the trainer logging ratio ~1."""
         settings = _settings(tiny_model, root, proxy)
         names = [f"trl-policy-v{v}" for v in range(1, settings.max_staleness + 2)]
-        paths = [write_probe_adapter(lora_dir(root, RUN) / name, model_config, str(tiny_model), seed=v)
+        paths = [write_lora_adapter(lora_dir(root, RUN) / name, model_config, str(tiny_model), seed=v)
                  for v, name in enumerate(names)]
         settings.run_dir.mkdir(parents=True, exist_ok=True)
         # The trainer writes this file (TRL's metric names); the real one is covered by the end-to-end demo.
@@ -129,8 +130,9 @@ class TestHealthyFleet:
 
     async def test_name_rebound_to_another_path_fails(self, proxy, shared_replicas, tiny_model, root, model_config):
         settings = _settings(tiny_model, root, proxy)
-        first = write_probe_adapter(root / "runs" / "rebind-a" / "doctor-rebound", model_config, str(tiny_model))
-        second = write_probe_adapter(root / "runs" / "rebind-b" / "doctor-rebound", model_config, str(tiny_model), 7)
+        first = write_lora_adapter(root / "runs" / "rebind-a" / "doctor-rebound", model_config, str(tiny_model))
+        second = write_lora_adapter(root / "runs" / "rebind-b" / "doctor-rebound", model_config, str(tiny_model),
+                                    seed=7)
         odd = shared_replicas[1].url
         async with VLLMClient(proxy.url) as fleet, VLLMClient(odd) as replica:
             await fleet.load_lora_adapter("doctor-rebound", str(first))
@@ -166,6 +168,13 @@ def _can_unshare(scratch: Path) -> bool:
     probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
                             f'mount --bind "{scratch / "a"}" "{scratch / "b"}"'], capture_output=True)
     return probe.returncode == 0
+
+
+def _skip_outside_ci(reason: str) -> None:
+    """Skip here; fail in CI (CI=true), where a skip would turn the run green without the check."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{reason}: CI=true, where this check must run")
+    pytest.skip(reason)
 
 
 class TestMisconfiguredReplicas:
@@ -220,7 +229,7 @@ class TestMisconfiguredReplicas:
 
     async def test_replica_that_cannot_see_the_root_fails_naming_it(self, fleet, results, root):
         if "blind" not in fleet:
-            pytest.skip("needs root and `unshare --mount` to hide the adapter root from one replica")
+            _skip_outside_ci("needs root and `unshare --mount` to hide the adapter root from one replica")
         check = results["adapter_root"]
         assert check.status is Status.FAIL, check
         assert f"{fleet['blind'].url} cannot read {root / 'runs' / RUN / '.vllm_lora'}" in check.reason
@@ -238,7 +247,7 @@ class TestMisconfiguredReplicas:
     async def test_cli_exits_non_zero_with_json(self, fleet, tiny_model, root):
         env = {**os.environ, "BASE_MODEL": str(tiny_model), "ADAPTER_ROOT": str(root), "RUN_NAME": RUN,
                "LORA_RANK": "8", "MAX_STALENESS": "4", "TRL_EXPERIMENTAL_SILENCE": "1"}
-        done = subprocess.run([sys.executable, "-m", "lorafleet.cli", "doctor", "--url", fleet["proxy"].url,
+        done = subprocess.run([sys.executable, "-m", "lorafleet.commands.cli", "doctor", "--url", fleet["proxy"].url,
                                "--json", "--no-probe"], env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 1, done.stderr
         rows = {row["name"]: row for row in json.loads(done.stdout)}

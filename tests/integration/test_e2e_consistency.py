@@ -21,7 +21,9 @@ PROMPT_TEXT = "<|im_start|>user\nwhat is the sum of two and three ?<|im_end|>\n<
 
 @pytest.fixture(scope="module")
 def fleet(shared_replicas, start_proxy, make_adapter, adapter_root):
-    proxy = start_proxy(shared_replicas, root=adapter_root)
+    # Every replica ready before the load: with one still joining, the load reaches one replica and the
+    # other only catches up moments later, while the test samples each replica directly.
+    proxy = start_proxy(shared_replicas, root=adapter_root, PROXY_MIN_READY=str(len(shared_replicas)))
     path = make_adapter(ADAPTER, seed=21)
     response = httpx.post(proxy.url + "/v1/load_lora_adapter", json={"lora_name": ADAPTER, "lora_path": str(path)},
                           timeout=120)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +14,28 @@ from fakes import ENGINE_DEAD, FakeReplica, Running, start_fakes, start_server
 from lorafleet.settings import load_settings
 from lorafleet.vllm_api import metric_total
 from lorafleet_proxy.app import BearerAuth, create_app
+from lorafleet_proxy.fleet import LOAD_RETRY_FIRST_S
 
 pytestmark = pytest.mark.integration
 
 FAST = {"proxy_health_interval_s": 0.05, "proxy_eject_after": 2, "proxy_lora_load_timeout_s": 5.0}
+# A load deadline that fits RETRIES attempts by construction: the proxy's backoff sleeps FIRST, 2*FIRST, ...
+# before them, and each attempt is one local round trip, given up to ROUND_TRIP_S on a loaded 2-core box.
+RETRIES = 3
+ROUND_TRIP_S = 0.5
+RETRY_DEADLINE_S = LOAD_RETRY_FIRST_S * (2 ** (RETRIES - 1) - 1) + RETRIES * ROUND_TRIP_S
+
+
+async def until(condition: Callable[[], Awaitable[Any]], what: str, timeout: float = 5.0) -> Any:
+    """Poll `condition()` every 20 ms until it returns something truthy; fail naming `what` if it never does."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = await condition()
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
+        await asyncio.sleep(0.02)
 
 
 class Fleet:
@@ -38,12 +56,11 @@ class Fleet:
         return (await self.http.get("/fleet")).json()
 
     async def wait_states(self, *states: str, timeout: float = 5.0) -> dict[str, Any]:
-        for _ in range(int(timeout / 0.02)):
+        async def reached() -> dict[str, Any] | None:
             view = await self.fleet()
-            if [r["state"] for r in view["replicas"]] == list(states):
-                return view
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"states never became {states}: {view['replicas']}")
+            return view if [r["state"] for r in view["replicas"]] == list(states) else None
+
+        return await until(reached, f"replica states {states}", timeout)
 
 
 async def start_proxy(urls: list[str], root: Path, **overrides: Any) -> Running:
@@ -115,14 +132,14 @@ async def test_lagging_volume_is_retried_per_replica_until_it_appears(fleet: Fle
     assert fleet.fakes[1].loads() == ["trl-policy-v1"] * 4
 
 
-@pytest.mark.parametrize("fleet", [(2, {"proxy_lora_load_timeout_s": 0.4})], indirect=True)
+@pytest.mark.parametrize("fleet", [(2, {"proxy_lora_load_timeout_s": RETRY_DEADLINE_S})], indirect=True)
 async def test_volume_that_never_catches_up_is_504_not_404_and_rolled_back(fleet: Fleet) -> None:
     fleet.fakes[1].faults.not_found_loads = 10_000
     response = await fleet.load("trl-policy-v1")
     assert response.status_code == 504, "TRL reads 404 as 'runtime LoRA disabled'"
     assert "No adapter found" in response.json()["error"]["message"]
     assert fleet.fakes[0].adapters == {}
-    assert len(fleet.fakes[1].loads()) >= 3, "no backoff retries"
+    assert len(fleet.fakes[1].loads()) >= RETRIES, "no backoff retries"
 
 
 async def test_same_name_new_path_unloads_resets_caches_then_loads(fleet: Fleet) -> None:
@@ -263,10 +280,11 @@ async def test_dead_replica_is_ejected_and_a_returning_one_resyncs_before_traffi
 async def test_restarted_replica_that_lost_its_adapters_goes_back_through_syncing(fleet: Fleet) -> None:
     await fleet.load("trl-policy-v1")
     fleet.fakes[0].adapters.clear()  # what a fast restart looks like from outside
-    for _ in range(200):
-        if fleet.fakes[0].adapters:
-            break
-        await asyncio.sleep(0.02)
+
+    async def reloaded() -> dict[str, str]:
+        return fleet.fakes[0].adapters
+
+    await until(reloaded, "the adapter loaded again on the restarted replica")
     assert fleet.fakes[0].adapters == {"trl-policy-v1": fleet.adapter("trl-policy-v1")}
     await fleet.wait_states("ready", "ready")
 
@@ -303,11 +321,11 @@ async def test_ledger_is_restored_by_a_restarted_proxy(fleet: Fleet) -> None:
     proxy = await start_proxy([servers[0].url], fleet.root)
     try:
         async with httpx.AsyncClient(base_url=proxy.url) as client:
-            for _ in range(250):
+            async def ready() -> dict[str, Any] | None:
                 view = (await client.get("/fleet")).json()
-                if view["replicas"][0]["state"] == "ready":
-                    break
-                await asyncio.sleep(0.02)
+                return view if view["replicas"][0]["state"] == "ready" else None
+
+            view = await until(ready, "the restarted proxy's replica to be ready")
         assert [entry["name"] for entry in view["ledger"]] == ["trl-policy-v1", "trl-policy-v2"]
         assert fresh[0].loads() == ["trl-policy-v1", "trl-policy-v2"]
     finally:
@@ -325,10 +343,10 @@ async def test_dns_discovery_and_public_port_auth(tmp_path: Path) -> None:
     public = await start_server(BearerAuth(app, settings.proxy_api_key), lifespan="off")
     try:
         async with httpx.AsyncClient() as client:
-            for _ in range(250):
-                if (await client.get(fleet_port.url + "/health")).status_code == 200:
-                    break
-                await asyncio.sleep(0.02)
+            async def healthy() -> bool:
+                return (await client.get(fleet_port.url + "/health")).status_code == 200
+
+            await until(healthy, "the proxy to discover its replica through DNS")
             denied = await client.get(public.url + "/v1/models")
             wrong = await client.get(public.url + "/v1/models", headers={"Authorization": "Bearer nope"})
             allowed = await client.get(public.url + "/v1/models", headers={"Authorization": "Bearer s3cret"})

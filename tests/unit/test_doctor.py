@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import copy
 import json
-import struct
+import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from lorafleet.doctor import (
-    CheckResult,
-    ProbeReport,
-    Snapshot,
-    Status,
+from lorafleet.commands.doctor import CheckResult, ProbeReport, Snapshot, Status, failed, render_table, run_doctor
+from lorafleet.commands.doctor.checks import (
     check_adapter_sync,
     check_broadcasts,
     check_fleet,
@@ -31,12 +29,9 @@ from lorafleet.doctor import (
     check_slots,
     check_versions_kept,
     evaluate,
-    failed,
-    gather_snapshot,
-    render_table,
-    run_doctor,
-    write_probe_adapter,
 )
+from lorafleet.commands.doctor.gather import gather_snapshot
+from lorafleet.commands.doctor.runner import TRAINING_RECENT_S
 from lorafleet.settings import Settings, load_settings
 
 MODEL = "/models/tiny"
@@ -90,6 +85,9 @@ class FakeFleet:
         self.reach = list(replicas)  # replicas the proxy broadcasts to
         self.blind: set[str] = set()  # replicas that cannot read the adapter root
         self.down: set[str] = set()  # replicas that refuse connections
+        self.sync_pause = "elide"  # the proxy's PROXY_SYNC_PAUSE: a keep pause on the fleet port pauses no replica
+        self.inflight = 0  # requests the proxy reports in flight per replica
+        self.elided = False  # a keep pause was elided and its resume has not come yet
 
     def load(self, name: str, path: str, *, ledger: bool = True) -> None:
         for adapters in self.adapters.values():
@@ -117,10 +115,11 @@ class FakeFleet:
                 raise httpx.ConnectError("connection refused")
             if path == "/fleet":
                 return httpx.Response(200, json={
-                    "replicas": [{"url": url, "state": self.states[url], "inflight": 0, "routed": 3,
+                    "replicas": [{"url": url, "state": self.states[url], "routed": 3, "inflight": self.inflight,
                                   "adapters": dict(self.adapters[url]), "last_error": None} for url in self.info],
                     "ledger": [{"name": n, "path": p} for n, p in self.ledger],
-                    "router": {"mode": "affinity", "block_size": 128}, "min_ready": 1})
+                    "router": {"mode": "affinity", "block_size": 128}, "min_ready": 1,
+                    "sync_pause": self.sync_pause})
             if path == "/server_info":
                 return httpx.Response(200, json=self.proxy_info())
             if path == "/v1/models":
@@ -169,7 +168,14 @@ class FakeFleet:
         return httpx.Response(200, json={"is_paused": self.paused[url]})
 
     def broadcast(self, request: httpx.Request, path: str) -> httpx.Response:
-        """The proxy's broadcast to the replicas it knows (`reach`); a load is all-or-nothing."""
+        """The proxy's broadcast to the replicas it knows (`reach`); a load is all-or-nothing; a keep pause (and
+        its resume) is elided under PROXY_SYNC_PAUSE=elide."""
+        if self.sync_pause == "elide" and path == "/pause" and request.url.params.get("mode") == "keep":
+            self.elided = True
+            return httpx.Response(200, json={"status": "paused"})
+        if path == "/resume" and self.elided:
+            self.elided = False
+            return httpx.Response(200, json={"status": "resumed"})
         answers = {url: self.replica_call(url, request, path) for url in self.reach}
         failed = [answer for answer in answers.values() if answer.status_code >= 400]
         if path == "/v1/load_lora_adapter":
@@ -396,7 +402,8 @@ def _probe(**overrides: Any) -> ProbeReport:
     ok = {R1: True, R2: True}
     report = ProbeReport(name="lorafleet-doctor-probe-1a2b3c4d", path="/adapters/runs/run1/.vllm_lora/p",
                          broadcast=True, listed_after_load=dict(ok), generate_error=dict.fromkeys(ok),
-                         listed_after_unload=dict(ok), deleted=True, paused=dict(ok), resumed=dict(ok))
+                         listed_after_unload=dict(ok), deleted=True, paused=dict(ok), resumed=dict(ok),
+                         keep_paused=dict.fromkeys(ok, False))
     for key, value in overrides.items():
         setattr(report, key, value)
     return report
@@ -436,11 +443,37 @@ def test_probe_files_kept_while_a_replica_holds_it(settings):
 
 def test_probe_skipped_when_the_root_is_not_mounted(settings):
     report = ProbeReport(skipped=f"ADAPTER_ROOT {settings.adapter_root} is not a directory here: ...",
-                         broadcast=True, paused={R1: True}, resumed={R1: True})
+                         broadcast=True, paused={R1: True}, resumed={R1: True}, keep_paused={R1: False})
     _one(check_probe(report, Snapshot(PROXY), settings), Status.SKIP, "not a directory here",
          "docker compose run")
     _one(check_broadcasts(report, Snapshot(PROXY)), Status.WARN, "pause, resume reached all 1",
          "not a directory here")
+
+
+def test_broadcasts_never_claims_zero_replicas(settings):
+    report = ProbeReport(broadcast=True, skipped="no reachable replica to probe")
+    result = check_broadcasts(report, Snapshot(PROXY))
+    _one(result, Status.SKIP, "no reachable replica")
+    assert "all 0" not in result.reason
+
+
+@pytest.mark.parametrize(("mode", "keep_paused", "status", "needle"), [
+    ("elide", {R1: False, R2: False}, Status.PASS, "keep pause is elided (PROXY_SYNC_PAUSE=elide)"),
+    (None, {R1: False, R2: False}, Status.PASS, "keep pause is elided (PROXY_SYNC_PAUSE=not reported)"),
+    ("broadcast", {R1: True, R2: True}, Status.PASS, "keep pause is broadcast (PROXY_SYNC_PAUSE=broadcast)"),
+    ("broadcast", {R1: False, R2: False}, Status.FAIL, "did not reach any replica"),
+    ("elide", {R1: True, R2: True}, Status.FAIL, "reports PROXY_SYNC_PAUSE=elide but"),
+    ("broadcast", {R1: True, R2: False}, Status.FAIL, f"reached {R1} but not {R2}"),
+    ("elide", {}, Status.FAIL, "keep pause was not observed"),
+])
+def test_keep_pause_elision_is_reported_not_failed(settings, mode, keep_paused, status, needle):
+    _one(check_broadcasts(_probe(keep_paused=keep_paused), Snapshot(PROXY, sync_pause=mode)), status, needle)
+
+
+async def test_unknown_runtime_loading_is_a_warning_not_a_pass(fleet, settings):
+    del fleet.info[R2]["vllm_env"]
+    _one(check_lora_enabled(await _snapshot(fleet, settings), settings), Status.WARN, "unknown", R2,
+         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
 
 
 # --- check 9: the importance ratio ---------------------------------------------------------------------
@@ -466,35 +499,6 @@ async def test_ratio_is_read_from_the_runs_metrics_file(fleet, settings):
     settings.run_dir.mkdir(parents=True)
     (settings.run_dir / "metrics.jsonl").write_text(json.dumps({"ratio": 1.2}) + "\n")
     _one(check_ratio(await _snapshot(fleet, settings)), Status.FAIL, "1.2000", "outside [0.95, 1.05]")
-
-
-# --- the probe adapter ---------------------------------------------------------------------------------
-
-
-def test_probe_adapter_is_a_valid_minimal_lora_for_the_config(tmp_path):
-    config = {"hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2}  # Qwen2.5-1.5B
-    out = write_probe_adapter(tmp_path / "probe", config, "Qwen/Qwen2.5-Math-1.5B")
-    adapter = json.loads((out / "adapter_config.json").read_text())
-    assert adapter["peft_type"] == "LORA" and adapter["target_modules"] == ["q_proj"] and adapter["r"] == 1
-    blob = (out / "adapter_model.safetensors").read_bytes()
-    (size,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8:8 + size])
-    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    assert header[f"{prefix}.lora_A.weight"]["shape"] == [1, 1536]
-    assert header[f"{prefix}.lora_B.weight"]["shape"] == [1536, 1]
-    assert len(blob) == 8 + size + 4 * (1536 + 1536) and (8 + size) % 8 == 0
-    assert not list(tmp_path.glob(".*.tmp")), "the staging directory must be gone"
-    safetensors = pytest.importorskip("safetensors.numpy")
-    tensors = safetensors.load_file(str(out / "adapter_model.safetensors"))
-    assert tensors[f"{prefix}.lora_B.weight"].any(), "B must be non-zero"
-
-
-def test_probe_adapter_uses_head_dim_when_given(tmp_path):
-    config = {"text_config": {"hidden_size": 128, "num_attention_heads": 4, "head_dim": 64}}
-    out = write_probe_adapter(tmp_path / "p", config, "m")
-    blob = (out / "adapter_model.safetensors").read_bytes()
-    header = json.loads(blob[8:8 + struct.unpack("<Q", blob[:8])[0]])
-    assert header["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]["shape"] == [256, 1]
 
 
 # --- output ---------------------------------------------------------------------------------------------
@@ -568,3 +572,45 @@ async def test_no_probe_changes_nothing(served_fleet, served):
     results = await _doctor(served_fleet, served, probe=False)
     assert results["adapter_root"].status is Status.SKIP and results["broadcasts"].status is Status.SKIP
     assert not served.adapter_root.joinpath("runs").exists()
+
+
+async def test_probe_observes_elision_and_broadcast_on_the_replicas(served_fleet, served):
+    results = await _doctor(served_fleet, served)
+    _one(results["broadcasts"], Status.PASS, "keep pause is elided (PROXY_SYNC_PAUSE=elide)")
+    served_fleet.sync_pause = "broadcast"
+    results = await _doctor(served_fleet, served)
+    _one(results["broadcasts"], Status.PASS, "keep pause is broadcast (PROXY_SYNC_PAUSE=broadcast)")
+    _clean(served_fleet, served)
+
+
+async def test_training_fleet_is_not_probed_unless_asked(served_fleet, served):
+    served_fleet.inflight = 3
+    results = await _doctor(served_fleet, served, probe=None)
+    for name in ("adapter_root", "broadcasts"):
+        _one(results[name], Status.SKIP, "the fleet is training", "6 request(s) in flight", "--probe", "PROBE=1")
+    assert not served.adapter_root.joinpath("runs").exists(), "nothing may be published on a training fleet"
+    results = await _doctor(served_fleet, served, probe=True)
+    _one(results["broadcasts"], Status.PASS, "load, unload, pause, resume")
+    _clean(served_fleet, served)
+
+
+async def test_a_run_logging_steps_counts_as_training(served_fleet, served):
+    served.run_dir.mkdir(parents=True)
+    (served.run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "ratio": 1.0}) + "\n")
+    results = await _doctor(served_fleet, served, probe=None)
+    _one(results["adapter_root"], Status.SKIP, "metrics.jsonl written", "s ago")
+    served_fleet.inflight = 0
+    os.utime(served.run_dir / "metrics.jsonl", (0, time.time() - 2 * TRAINING_RECENT_S))
+    results = await _doctor(served_fleet, served, probe=None)
+    _one(results["adapter_root"], Status.PASS, "through the proxy")
+    _clean(served_fleet, served)
+
+
+def test_cli_probe_flags_default_to_auto():
+    from lorafleet.commands.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["doctor"]).probe is None, "the default must decide by whether the fleet is training"
+    assert parse(["doctor", "--probe"]).probe is True and parse(["doctor", "--no-probe"]).probe is False
+    with pytest.raises(SystemExit):
+        parse(["doctor", "--probe", "--no-probe"])

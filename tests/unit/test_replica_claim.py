@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import subprocess
 import sys
 import time
@@ -30,8 +31,13 @@ def _claimant(lock_dir: Path) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-c", CLAIMANT, str(lock_dir), POOL], stdout=subprocess.PIPE, text=True)
 
 
+LINE_TIMEOUT_S = 30.0  # a claimant answers in well under a second; a hung one must fail the test, not stall it
+
+
 def _first_line(process: subprocess.Popen[str]) -> str:
     assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], LINE_TIMEOUT_S)
+    assert ready, f"the claimant printed no line within {LINE_TIMEOUT_S:.0f}s"
     return process.stdout.readline().strip()
 
 

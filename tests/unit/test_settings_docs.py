@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lorafleet.cli import main
+from lorafleet.commands.cli import main
 from lorafleet.settings import Settings
 from lorafleet.settings_docs import TABLE_END, TABLE_START, env_default, settings_rows, settings_table
 

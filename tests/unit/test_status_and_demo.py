@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lorafleet.demo import build_report, progress_line, summary
-from lorafleet.status import adapter_span, read_metrics, render_status
+import pytest
+from lorafleet.commands import demo
+from lorafleet.commands.demo import build_report, progress_line, summary
+from lorafleet.commands.status import adapter_span, read_metrics, render_status
 
 FLEET = {
     "replicas": [
@@ -69,3 +71,13 @@ def test_progress_line_names_step_replicas_and_routing():
     line = progress_line(12.0, 60, _metrics([0.1, 0.2]), FLEET)
     assert "step 2/60" in line and "reward 0.200" in line
     assert "replicas 1/2" in line and "routing affinity 85% of 160" in line
+
+
+@pytest.mark.parametrize(("failed", "code"), [([], 0), (["broadcasts", "ratio"], 1)])
+def test_demo_exits_non_zero_and_loudly_on_a_doctor_fail(monkeypatch, capsys, tmp_path, failed, code):
+    report = build_report(_metrics([0.1, 0.2, 0.3]), FLEET, {"replicas": {}, "hit_rate": None}, wall_s=1.0)
+    report.update(doctor="(the doctor's table)", doctor_failed=failed)
+    monkeypatch.setattr(demo, "run_demo", lambda options: report)
+    assert demo.main(demo.DemoOptions(out=tmp_path)) == code
+    err = capsys.readouterr().err
+    assert ("lorafleet demo FAILED" in err and "broadcasts, ratio" in err) if failed else err == ""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.doctor import build_lora_config
+from lorafleet.lora import build_lora_config
 from lorafleet.settings import Settings
 
 # The published recipe's optimizer setting (the train script of the reference deployment).

@@ -50,7 +50,7 @@ def check_adapter_sync(server_config: dict[str, Any], lora_config: Any, max_stal
     raises for a too-low --max-lora-rank or --max-loras and only warns (then falls back) for the rest;
     both become a refusal here, carrying TRL's message.
     """
-    from lorafleet.doctor import trl_select_adapter_sync
+    from lorafleet.lora import trl_select_adapter_sync
 
     try:
         adapter_sync, warnings = trl_select_adapter_sync(server_config, lora_config, max_staleness)
@@ -124,7 +124,7 @@ async def doctor_preflight(settings: Settings, lora_config: Any) -> None:
     The one exception is `ratio`: it judges the run's past (metrics.jsonl), so a FAIL there is
     logged loudly but does not block resuming once the fleet itself passes.
     """
-    from lorafleet.doctor import Status, failed, render_table, run_doctor
+    from lorafleet.commands.doctor import Status, failed, render_table, run_doctor
 
     results = await run_doctor(settings, settings.trainer_vllm_url, peft_config=lora_config)
     blocking = [result for result in failed(results) if result.name != "ratio"]

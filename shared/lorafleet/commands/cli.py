@@ -24,8 +24,8 @@ def _make_adapter(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from lorafleet.commands.status import fetch_fleet, fleet_endpoint, read_metrics, render_status
     from lorafleet.settings import load_settings
-    from lorafleet.status import fetch_fleet, fleet_endpoint, read_metrics, render_status
 
     settings = load_settings()
     url, token = fleet_endpoint(settings)
@@ -42,12 +42,12 @@ def _status(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     import json
 
-    from lorafleet.doctor import failed, render_table, run_doctor_sync
+    from lorafleet.commands.doctor import failed, render_table, run_doctor_sync
     from lorafleet.logs import configure
     from lorafleet.settings import load_settings
 
     configure("doctor", "WARNING")  # the table is the output; only cleanup problems go to stderr
-    results = run_doctor_sync(load_settings(), args.url, replicas=args.replica, probe=not args.no_probe)
+    results = run_doctor_sync(load_settings(), args.url, replicas=args.replica, probe=args.probe)
     if args.json:
         print(json.dumps([result.as_json() for result in results], indent=2))
     else:
@@ -56,8 +56,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from lorafleet.demo import DemoOptions
-    from lorafleet.demo import main as demo_main
+    from lorafleet.commands.demo import DemoOptions
+    from lorafleet.commands.demo import main as demo_main
 
     return demo_main(DemoOptions(out=args.out, replicas=args.replicas, steps=args.steps))
 
@@ -94,8 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--replica", action="append", default=[], metavar="URL",
                         help="a replica to check directly besides those in the proxy's /fleet (repeatable)")
     doctor.add_argument("--json", action="store_true", help="print the results as JSON")
-    doctor.add_argument("--no-probe", action="store_true",
-                        help="skip the probe adapter and the pause/resume (for a fleet that is training)")
+    probe = doctor.add_mutually_exclusive_group()
+    probe.add_argument("--probe", action="store_const", const=True, default=None,
+                       help="run the probe (pauses the fleet, takes a LoRA slot) even on a fleet that is training")
+    probe.add_argument("--no-probe", dest="probe", action="store_const", const=False,
+                       help="skip the probe adapter and the pause/resume (default: skipped while training)")
     doctor.set_defaults(func=_doctor)
 
     demo = commands.add_parser("demo", help="CPU demo: tiny model, replicas, proxy, real trainer; writes a report")

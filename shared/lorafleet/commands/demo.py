@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 
 from lorafleet.adapters import metrics_path
+from lorafleet.commands.status import adapter_span, fmt, latest, read_metrics
 from lorafleet.processes import Service, proxy_service, replica_service, trainer_service, wait_healthy
-from lorafleet.status import adapter_span, fmt, latest, read_metrics
 from lorafleet.vllm_api import metric_total
 
 
@@ -188,7 +188,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         report = build_report(metrics, fleet, replica_cache_stats([r.url for r in replicas]),
                               time.monotonic() - begin)
         _say("==> lorafleet doctor against the demo fleet")
-        report["doctor"] = doctor_table(common, proxy.url)
+        report["doctor"], report["doctor_failed"] = doctor_table(common, proxy.url)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         plot_report(metrics, out / "report.png")
@@ -201,15 +201,17 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def doctor_table(settings_env: dict[str, str], proxy_url: str) -> str:
-    """The doctor's checklist against the fleet the demo trained on (before it is stopped)."""
-    from lorafleet.doctor import render_table, run_doctor_sync
+def doctor_table(settings_env: dict[str, str], proxy_url: str) -> tuple[str, list[str]]:
+    """The doctor's checklist against the fleet the demo trained on (before it is stopped): the table and
+    the names of the checks that failed."""
+    from lorafleet.commands.doctor import failed, render_table, run_doctor_sync
     from lorafleet.settings import Settings, env_name, load_settings
 
     fields = {env_name(name): name for name in Settings.model_fields}
     settings = load_settings(**{fields[key]: value for key, value in settings_env.items()},
                              trainer_vllm_url=proxy_url)
-    return render_table(run_doctor_sync(settings, proxy_url))
+    results = run_doctor_sync(settings, proxy_url, probe=True)  # the trainer has exited: nothing is training
+    return render_table(results), [result.name for result in failed(results)]
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -244,4 +246,8 @@ def main(options: DemoOptions) -> int:
         return 1
     _say("\n==> report\n" + summary(report))
     _say(f"\nwritten: {options.out / 'report.json'} and {options.out / 'report.png'}")
+    if report.get("doctor_failed"):
+        print(f"lorafleet demo FAILED: the doctor found problems in the fleet it trained on: "
+              f"{', '.join(report['doctor_failed'])} (see the doctor table above)", file=sys.stderr)
+        return 1
     return 0

@@ -1,0 +1,92 @@
+"""Gathering: the proxy's view (/fleet, /server_info, /v1/models) and each replica's own, read-only."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from lorafleet.adapters import fleet_dir
+from lorafleet.commands.doctor.model import ReplicaView, Snapshot
+from lorafleet.settings import Settings
+from lorafleet.vllm_api import VLLMClient, VLLMError
+
+REQUEST_TIMEOUT_S = 30.0
+
+
+def api_client(url: str, token: str = "", http: httpx.AsyncClient | None = None) -> VLLMClient:
+    """A vLLM API client with the doctor's timeout; `http` replaces the transport (tests)."""
+    return VLLMClient(url, token=token, timeout=REQUEST_TIMEOUT_S, client=http)
+
+
+async def _read_replica(replica: ReplicaView, token: str, http: httpx.AsyncClient | None) -> None:
+    async with api_client(replica.url, token, http) as direct:
+        try:
+            replica.info = await direct.server_info()
+            replica.adapters = await direct.loaded_adapters()
+        except (VLLMError, ValueError, KeyError) as exc:
+            replica.error = str(exc)
+
+
+async def _read_proxy(snapshot: Snapshot, views: dict[str, ReplicaView], http: httpx.AsyncClient | None) -> None:
+    assert snapshot.fleet_url is not None
+    async with api_client(snapshot.fleet_url, http=http) as proxy:
+        try:
+            fleet = (await proxy.request("GET", "/fleet")).json()
+            for item in fleet.get("replicas", []):
+                url = str(item["url"]).rstrip("/")
+                views[url] = ReplicaView(url, item.get("state"), item.get("last_error"), int(item.get("inflight", 0)))
+            snapshot.ledger = [(str(e["name"]), str(e["path"])) for e in fleet.get("ledger", [])]
+            snapshot.ledger_source = f"{snapshot.fleet_url}/fleet"
+            snapshot.sync_pause = fleet.get("sync_pause")
+            snapshot.proxy_info = (await proxy.request("GET", "/server_info", params={"config_format": "json"})).json()
+            cards = await proxy.models()
+            snapshot.proxy_base_model = cards[0].id if cards else None
+        except (VLLMError, ValueError, KeyError, TypeError) as exc:
+            snapshot.proxy_error = str(exc)
+
+
+async def gather_snapshot(settings: Settings, fleet_url: str | None, replica_urls: Sequence[str] = (),
+                          http: httpx.AsyncClient | None = None) -> Snapshot:
+    """Read the proxy's view and each replica's own, concurrently; the ledger file when the proxy is down."""
+    snapshot = Snapshot(fleet_url=fleet_url.rstrip("/") if fleet_url else None)
+    views: dict[str, ReplicaView] = {}
+    if snapshot.fleet_url:
+        await _read_proxy(snapshot, views, http)
+    else:
+        snapshot.proxy_error = "no fleet URL given"
+    for url in replica_urls:
+        views.setdefault(url.rstrip("/"), ReplicaView(url.rstrip("/")))
+    snapshot.replicas = list(views.values())
+    if snapshot.ledger is None:
+        path = fleet_dir(settings.adapter_root) / LEDGER_FILE
+        snapshot.ledger = read_ledger_file(path)
+        snapshot.ledger_source = str(path) if snapshot.ledger is not None else f"no readable {path}"
+    token = settings.proxy_upstream_token
+    await asyncio.gather(*(_read_replica(replica, token, http) for replica in snapshot.replicas))
+    snapshot.metrics_path = settings.metrics_path
+    with contextlib.suppress(OSError):
+        snapshot.metrics_lines = snapshot.metrics_path.read_text().splitlines()
+        snapshot.metrics_age_s = max(0.0, time.time() - snapshot.metrics_path.stat().st_mtime)
+    return snapshot
+
+
+# The proxy's persisted ledger: `{"version": 1, "adapters": [{"name", "path"}, ...]}` (lorafleet_proxy.ledger).
+LEDGER_FILE = "proxy-ledger.json"
+
+
+def read_ledger_file(path: Path) -> list[tuple[str, str]] | None:
+    """(name, path) pairs of the proxy's ledger file, in load order; None when it cannot be read.
+
+    Used when the proxy cannot be asked and the fleet volume is mounted here.
+    """
+    try:
+        payload = json.loads(path.read_text())
+        return [(str(e["name"]), str(e["path"])) for e in payload["adapters"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
