@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 from lorafleet.adapters import metrics_path
-from lorafleet.doctor import RATIO_FAIL
+from lorafleet.commands.doctor.checks import RATIO_FAIL
 from lorafleet.settings import Settings
 from stack_driver import REPO, Compose, StackSession, detect_gpus, host_nvidia_smi, missing_requirements
 from stack_plan import (
