@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 from fakes import FakeReplica, Running, start_server
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from lorafleet.ledger_file import fingerprint, ledger_path
@@ -39,13 +39,13 @@ from lorafleet_proxy.app import create_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-EXAMPLES = int(os.environ.get("LORAFLEET_FUZZ_EXAMPLES", "8"))
-STEPS = int(os.environ.get("LORAFLEET_FUZZ_STEPS", "14"))
+EXAMPLES = int(os.environ.get("LORAFLEET_FUZZ_EXAMPLES", "20"))
+STEPS = int(os.environ.get("LORAFLEET_FUZZ_STEPS", "16"))
 NAMES = ("trl-policy-v1", "trl-policy-v2", "trl-policy-v3")
 FAST = {"proxy_health_interval_s": 0.05, "proxy_eject_after": 2, "proxy_lora_load_timeout_s": 5.0,
         "proxy_health_timeout_s": 0.3, "proxy_eject_slow_after_s": 0.3, "proxy_sync_backoff_max_s": 0.2,
         "proxy_request_timeout_s": 5.0}
-SETTLE_S = 15.0
+SETTLE_S = 8.0
 T = TypeVar("T")
 
 
@@ -289,6 +289,9 @@ class FleetMachine(RuleBasedStateMachine):
             assert (fake.paused is not None) == (self.paused is not None), f"{fake.url} pause state differs"
 
 
+# No shrinking in the bounded profile (a shrink replays whole fleets for minutes); the long profile shrinks.
+PHASES = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if "LORAFLEET_FUZZ_EXAMPLES" in os.environ
+                                                          else [])
 FleetMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
-                                          suppress_health_check=list(HealthCheck))
+                                          suppress_health_check=list(HealthCheck), phases=PHASES)
 test_fleet_controller_invariants = FleetMachine.TestCase

@@ -153,19 +153,25 @@ class Fleet:
 
     async def check(self, replica: Replica) -> bool:
         """One health check, isolated: True when the replica answered. Never raises (but for cancellation)."""
+        limit = 2 * self.settings.proxy_health_timeout_s
         try:
-            failure = await self._probe(replica)
-            if failure is not None:
-                self.note_failure(replica, failure[1], failure[0])
-                return False
-            replica.failures, replica.slow_since = 0, None
-            if replica.state is State.READY:
-                await self._reconcile(replica)
-            elif self._sync_due(replica):
-                self._start_sync(replica)
+            async with asyncio.timeout(limit):  # one stuck replica must not stall the round for the others
+                failure = await self._probe(replica)
+                if failure is not None:
+                    self.note_failure(replica, failure[1], failure[0])
+                    return False
+                replica.slow_since = None
+                if replica.state is State.READY:
+                    await self._reconcile(replica)
+                elif self._sync_due(replica):
+                    self._start_sync(replica)
+            replica.failures = 0  # only a whole check that passed clears the count
             return True
         except asyncio.CancelledError:
             raise
+        except TimeoutError:
+            self.note_failure(replica, f"health check: no complete answer within {limit:.1f}s", "timeout")
+            return False
         except VLLMError as exc:
             self.note_failure(replica, f"health check: {exc}", _kind(exc))
             return False
