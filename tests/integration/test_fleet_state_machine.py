@@ -248,6 +248,7 @@ class FleetMachine(RuleBasedStateMachine):
     def restart_proxy(self, corrupt: bool) -> None:
         self.stop_proxy()
         if corrupt:
+            ledger_path(self.root).parent.mkdir(parents=True, exist_ok=True)
             ledger_path(self.root).write_text('{"version": 2, "adapters": [{"na')
             if self.paused is not None:
                 self.paused = "keep"  # a rebuilt ledger knows the fleet is paused, not how
