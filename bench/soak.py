@@ -184,7 +184,7 @@ async def soak(args: argparse.Namespace, replicas: Replicas, proxy: subprocess.P
         started = time.monotonic()
         background = [asyncio.create_task(publisher()), asyncio.create_task(chaos())]
         clients = [asyncio.create_task(client(seed)) for seed in range(args.concurrency)]
-        done, _ = await asyncio.wait(clients, timeout=args.max_duration_s)
+        await asyncio.wait(clients, timeout=args.max_duration_s)
         stop.set()
         await asyncio.gather(*clients, *background, return_exceptions=True)
         elapsed = time.monotonic() - started

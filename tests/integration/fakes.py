@@ -75,12 +75,7 @@ class FakeReplica:
 
     def app(self) -> FastAPI:
         app = FastAPI()
-
-        @app.middleware("http")
-        async def hang(request: Request, call_next: Any) -> Response:
-            while self.faults.hung:
-                await asyncio.sleep(0.01)
-            return await call_next(request)
+        app.add_middleware(_Hang, faults=self.faults)
 
         @app.get("/health")
         async def health() -> Response:
@@ -200,6 +195,19 @@ class FakeReplica:
             hitting = hitting and digest in self.cached_blocks
             self.hit_blocks += hitting
             self.cached_blocks.add(digest)
+
+
+class _Hang:
+    """Plain ASGI middleware: while `faults.hung`, requests wait before they reach the app."""
+
+    def __init__(self, app: Any, faults: Faults) -> None:
+        self.app = app
+        self.faults = faults
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        while scope["type"] == "http" and self.faults.hung:
+            await asyncio.sleep(0.01)
+        await self.app(scope, receive, send)
 
 
 async def _broken_body(text: str) -> AsyncIterator[bytes]:

@@ -37,10 +37,11 @@ from lorafleet.processes import free_port
 from lorafleet.settings import load_settings
 from lorafleet_proxy.app import create_app
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-
-EXAMPLES = int(os.environ.get("LORAFLEET_FUZZ_EXAMPLES", "20"))
+EXAMPLES = int(os.environ.get("LORAFLEET_FUZZ_EXAMPLES", "16"))
 STEPS = int(os.environ.get("LORAFLEET_FUZZ_STEPS", "16"))
+LONG = "LORAFLEET_FUZZ_EXAMPLES" in os.environ
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(7200 if LONG else 300)]
 NAMES = ("trl-policy-v1", "trl-policy-v2", "trl-policy-v3")
 FAST = {"proxy_health_interval_s": 0.05, "proxy_eject_after": 2, "proxy_lora_load_timeout_s": 5.0,
         "proxy_health_timeout_s": 0.3, "proxy_eject_slow_after_s": 0.3, "proxy_sync_backoff_max_s": 0.2,
@@ -291,8 +292,7 @@ class FleetMachine(RuleBasedStateMachine):
 
 
 # No shrinking in the bounded profile (a shrink replays whole fleets for minutes); the long profile shrinks.
-PHASES = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if "LORAFLEET_FUZZ_EXAMPLES" in os.environ
-                                                          else [])
+PHASES = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if LONG else [])
 FleetMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
                                           suppress_health_check=list(HealthCheck), phases=PHASES)
 test_fleet_controller_invariants = FleetMachine.TestCase
