@@ -287,6 +287,8 @@ async def pause(fleet: Fleet, mode: str) -> Response:
     if mode not in PAUSE_MODES:
         return error(400, f"Input should be 'abort', 'wait' or 'keep' (got {mode!r})", "Bad Request", "query.mode")
     async with fleet.broadcasting():
+        if fleet.ledger.rebuilding:
+            return rebuilding(fleet)
         targets = fleet.ready()
         if not targets:
             return no_ready_replica(fleet)
@@ -315,6 +317,8 @@ async def resume(fleet: Fleet) -> Response:
     """Resume every ready replica and record it in the ledger. If every replica fails, nothing changes and
     the error is returned; one that fails alone leaves traffic and re-syncs (which resumes it)."""
     async with fleet.broadcasting():
+        if fleet.ledger.rebuilding:
+            return rebuilding(fleet)
         previous = fleet.ledger.paused
         targets = fleet.ready()
         results = await _each(fleet, targets, lambda replica: replica.client.resume())
