@@ -36,6 +36,8 @@ class Engine:
     hang: set[str] = field(default_factory=set)  # paths that time out
     malformed: set[str] = field(default_factory=set)  # paths answering 200 with a body of the wrong shape
     on_call: Callable[[str], None] | None = None
+    gated: set[str] = field(default_factory=set)  # paths that wait for `gate` (a slow answer)
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -106,7 +108,14 @@ async def fleet(engines: dict[str, Engine], tmp_path: Path) -> AsyncIterator[Fle
 def make_fleet(engines: dict[str, Engine], root: Path, **overrides: object) -> Fleet:
     settings = load_settings(proxy_upstreams=",".join(engines), adapter_root=str(root),
                              **{"proxy_eject_after": 2, "proxy_health_interval_s": 0.01, **overrides})
-    transport = httpx.MockTransport(lambda request: engines[f"http://{request.url.netloc.decode()}"].handle(request))
+
+    async def dispatch(request: httpx.Request) -> httpx.Response:
+        engine = engines[f"http://{request.url.netloc.decode()}"]
+        if request.url.path in engine.gated:
+            await engine.gate.wait()
+        return engine.handle(request)
+
+    transport = httpx.MockTransport(dispatch)
     ledger = Ledger(ledger_path(root), root)
     ledger.restore()
     fleet = Fleet(settings, Router(block_size=16), ledger, transport)
@@ -398,3 +407,28 @@ async def test_rebind_by_content_same_name_same_path_new_weights(
     for engine in engines.values():
         assert engine.calls[-3:] == ["/v1/unload_lora_adapter", "/reset_prefix_cache", "/v1/load_lora_adapter"]
     assert fleet.ledger.get("trl-policy-v2") != first
+
+
+async def test_5_a_cancelled_sync_is_awaited_before_the_next_one_and_at_stop(
+    fleet: Fleet, engines: dict[str, Engine]
+) -> None:
+    engines[R1].gated.add("/server_info")
+    await fleet.check(fleet.replicas[R1])
+    first = fleet.replicas[R1].sync_task
+    assert first is not None
+    await asyncio.sleep(0.01)
+    fleet.resync(fleet.replicas[R1], "test")  # cancels the first, starts a second that waits for it
+    second = fleet.replicas[R1].sync_task
+    assert second is not first
+    engines[R1].gated.clear()
+    engines[R1].gate.set()
+    await second
+    assert first.done() and fleet.replicas[R1].state is State.READY
+
+    engines[R2].gated.add("/server_info")
+    await fleet.check(fleet.replicas[R2])
+    hanging = fleet.replicas[R2].sync_task
+    await asyncio.sleep(0.01)
+    fleet.eject(fleet.replicas[R2], "test")
+    await fleet.stop()
+    assert hanging is not None and hanging.done(), "stop left a cancelled sync running"
