@@ -257,8 +257,15 @@ class FleetMachine(RuleBasedStateMachine):
 
     # --- invariants --------------------------------------------------------------------------------
     def settle(self) -> dict[str, Any]:
-        """Wait until every serving replica is ready and every other one is out of traffic."""
+        """Wait for two health rounds (so the proxy has looked at the fleet since the last step), then until every
+        serving replica is ready and every other one is out of traffic."""
         deadline = time.monotonic() + SETTLE_S
+        fleet = self.app.state.fleet
+        rounds, seen = 0, fleet.heartbeat
+        while rounds < 2 and time.monotonic() < deadline:
+            if fleet.heartbeat != seen:
+                rounds, seen = rounds + 1, fleet.heartbeat
+            time.sleep(0.01)
         while True:
             view = self.fleet()
             states = {r["url"]: r["state"] for r in view["replicas"]}
