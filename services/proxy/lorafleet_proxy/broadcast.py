@@ -141,7 +141,7 @@ async def load_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
             rebound = await _rebind(fleet, name, targets)
             if rebound is not None:
                 return rebound
-        todo = [replica for replica in targets if not replica.holds(name, entry)]
+        todo = [replica for replica in targets if replica.state is State.READY and not replica.holds(name, entry)]
         deadline = time.monotonic() + fleet.settings.proxy_lora_load_timeout_s
         results = await _each(fleet, todo, lambda replica: _load_one(replica, name, path, deadline))
         loaded = [replica for replica, result in results if not isinstance(result, VLLMError)]

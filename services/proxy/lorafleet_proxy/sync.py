@@ -3,9 +3,11 @@
 A sync works without the fleet lock: it reads what the replica holds, unloads what the ledger does
 not name (or names with other content), loads what is missing in ledger order, matches the fleet's
 pause state, and reads the replica's adapters once more after that last change. Only then does it
-take the lock, with no replica I/O inside, and mark the replica ready if no broadcast ran since it
-read the ledger (the fleet's generation is unchanged) and that last read equals the ledger. If a
-broadcast did run, it starts over. The whole sync has a deadline (PROXY_LORA_LOAD_TIMEOUT_S); a sync
+take the lock, with no replica I/O inside, and mark the replica ready if that last read equals the
+ledger as it is now and the pause state is unchanged (broadcasts only touch ready replicas, so the
+read still holds; a broadcast that ran meanwhile may have changed the ledger, hence the comparison
+with the current one). Otherwise it starts over. The whole sync has a deadline
+(PROXY_LORA_LOAD_TIMEOUT_S); a sync
 that fails is retried by the health loop after a backoff that doubles up to PROXY_SYNC_BACKOFF_MAX_S.
 """
 
@@ -98,7 +100,6 @@ async def _sync(fleet: Fleet, replica: Replica, deadline: float) -> None:
     while True:
         listed = await replica.client.loaded_adapters()
         replica.observe(listed)
-        generation = fleet.generation
         wanted, paused = fleet.ledger.entries(), fleet.ledger.paused
         stale, missing = differences(replica, listed, wanted)
         if stale or missing:
@@ -111,10 +112,11 @@ async def _sync(fleet: Fleet, replica: Replica, deadline: float) -> None:
             await replica.client.resume()
         listed = await replica.client.loaded_adapters()  # read after the last change
         replica.observe(listed)
-        async with fleet.lock:  # no replica I/O from here on
-            if generation != fleet.generation:
-                continue  # a broadcast ran meanwhile: what was read may predate it
-            if mismatch(replica, listed, paused is not None, wanted, paused) is not None:
+        async with fleet.lock:  # no broadcast half-done, and no replica I/O from here on
+            # Broadcasts only touch ready replicas, so `listed` is still this replica's state; compare it with
+            # the ledger as it is now (a broadcast may have changed it since it was read above).
+            wanted = fleet.ledger.entries()
+            if fleet.ledger.paused != paused or mismatch(replica, listed, paused is not None, wanted, paused):
                 continue
             if replica.sync_task is not asyncio.current_task():
                 return  # superseded (ejected, removed or re-synced meanwhile)
