@@ -150,6 +150,8 @@ async def load_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
             return await _roll_back(fleet, name, loaded, failed, len(targets))
         if not entry.fingerprint:  # the volume may have caught up while the replicas retried
             entry = Entry(path, await asyncio.to_thread(fingerprint, path))
+        if not entry.fingerprint and known is not None and known.path == path:
+            entry = known  # unreadable here now: keep what the ledger knew
         state = fleet.ledger.state()
         state.adapters.pop(name, None)
         state.adapters[name] = entry
