@@ -162,6 +162,13 @@ async def soak(args: argparse.Namespace, replicas: Replicas, proxy: subprocess.P
                     broadcasts[f"unload {response.status_code}"] += 1
                 await asyncio.sleep(args.publish_every_s)
 
+        samples: list[dict[str, float]] = []
+
+        async def sampler() -> None:  # the proxy's RSS and fds along the run: warm-up, then flat (or a leak)
+            while not stop.is_set():
+                samples.append({"requests": sent, **proc_stats(proxy.pid)})
+                await asyncio.sleep(args.sample_every_s)
+
         async def chaos() -> None:
             rng = random.Random(args.seed)
             while not stop.is_set():
@@ -182,7 +189,7 @@ async def soak(args: argparse.Namespace, replicas: Replicas, proxy: subprocess.P
         await asyncio.sleep(1.0)
         before = proc_stats(proxy.pid)
         started = time.monotonic()
-        background = [asyncio.create_task(publisher()), asyncio.create_task(chaos())]
+        background = [asyncio.create_task(publisher()), asyncio.create_task(chaos()), asyncio.create_task(sampler())]
         clients = [asyncio.create_task(client(seed)) for seed in range(args.concurrency)]
         await asyncio.wait(clients, timeout=args.max_duration_s)
         stop.set()
@@ -210,6 +217,7 @@ async def soak(args: argparse.Namespace, replicas: Replicas, proxy: subprocess.P
         "broadcasts": dict(broadcasts),
         "proxy_at_start": before,
         "proxy_at_end": after,
+        "proxy_samples": samples,
         "proxy_loop_errors": loop_errors,
         "settings": {key: getattr(args, key) for key in ("requests", "concurrency", "kill_every_s", "down_s",
                                                          "publish_every_s", "latency_ms", "health_interval_s")},
@@ -228,6 +236,7 @@ def main() -> None:
     parser.add_argument("--publish-every-s", type=float, default=1.0)
     parser.add_argument("--latency-ms", type=float, default=2.0)
     parser.add_argument("--health-interval-s", type=float, default=0.5)
+    parser.add_argument("--sample-every-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--serve-fake", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
