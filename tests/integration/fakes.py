@@ -3,7 +3,8 @@
 Only for faults a real replica cannot be made to produce on demand (a load failing on one replica,
 "No adapter found" for the first k tries, a replica dying mid-request, a pause failing on one, a replica
 that hangs, a malformed 200 from /v1/models), for the fleet state machine, the soak and the benchmark.
-Each fake records the content fingerprint of every adapter it loads, as vLLM reads the files at load. Bodies come from shared/reference/vllm-runtime-api.md.
+Each fake records the content fingerprint of every adapter it loads, as vLLM reads the files at load.
+Bodies come from shared/reference/vllm-runtime-api.md.
 """
 
 from __future__ import annotations
