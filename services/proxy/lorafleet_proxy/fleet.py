@@ -71,10 +71,6 @@ class Fleet:
             finally:
                 self.generation += 1
 
-    @property
-    def paused_mode(self) -> str | None:
-        return self.ledger.paused
-
     # --- membership ------------------------------------------------------------------------------
     def ready(self) -> list[Replica]:
         return [replica for replica in self.replicas.values() if replica.state is State.READY]
