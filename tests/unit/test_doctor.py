@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from lorafleet import ledger_file
 from lorafleet.commands.doctor import CheckResult, ProbeReport, Snapshot, Status, failed, render_table, run_doctor
 from lorafleet.commands.doctor.checks import (
     check_adapter_sync,
@@ -30,7 +31,7 @@ from lorafleet.commands.doctor.checks import (
     check_versions_kept,
     evaluate,
 )
-from lorafleet.commands.doctor.gather import gather_snapshot
+from lorafleet.commands.doctor.gather import gather_snapshot, read_ledger_file
 from lorafleet.commands.doctor.runner import TRAINING_RECENT_S
 from lorafleet.settings import Settings, load_settings
 
@@ -614,3 +615,15 @@ def test_cli_probe_flags_default_to_auto():
     assert parse(["doctor", "--probe"]).probe is True and parse(["doctor", "--no-probe"]).probe is False
     with pytest.raises(SystemExit):
         parse(["doctor", "--probe", "--no-probe"])
+
+
+def test_doctor_reads_the_ledger_the_proxy_writes(tmp_path: Path) -> None:
+    """One reader of the ledger format: what the proxy's writer puts on disk is what the doctor sees."""
+    root = tmp_path.resolve()
+    adapters = {f"trl-policy-v{v}": ledger_file.Entry(str(root / "runs" / "r" / f"v{v}"), f"sha256:{v}")
+                for v in (3, 4)}
+    assert read_ledger_file(root) is None  # no file yet
+    ledger_file.write(ledger_file.ledger_path(root), ledger_file.LedgerState(adapters, paused="keep"))
+    assert read_ledger_file(root) == [(name, entry.path) for name, entry in adapters.items()]
+    ledger_file.ledger_path(root).write_text('{"version": 2, "adapt')  # torn or corrupt: unknown, not empty
+    assert read_ledger_file(root) is None

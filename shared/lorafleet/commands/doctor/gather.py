@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
-from lorafleet.adapters import fleet_dir
+from lorafleet import ledger_file
 from lorafleet.commands.doctor.model import ReplicaView, Snapshot
 from lorafleet.settings import Settings
 from lorafleet.vllm_api import VLLMClient, VLLMError
@@ -64,8 +63,8 @@ async def gather_snapshot(settings: Settings, fleet_url: str | None, replica_url
         views.setdefault(url.rstrip("/"), ReplicaView(url.rstrip("/")))
     snapshot.replicas = list(views.values())
     if snapshot.ledger is None:
-        path = fleet_dir(settings.adapter_root) / LEDGER_FILE
-        snapshot.ledger = read_ledger_file(path)
+        path = ledger_file.ledger_path(settings.adapter_root)
+        snapshot.ledger = read_ledger_file(settings.adapter_root)
         snapshot.ledger_source = str(path) if snapshot.ledger is not None else f"no readable {path}"
     token = settings.proxy_upstream_token
     await asyncio.gather(*(_read_replica(replica, token, http) for replica in snapshot.replicas))
@@ -76,17 +75,11 @@ async def gather_snapshot(settings: Settings, fleet_url: str | None, replica_url
     return snapshot
 
 
-# The proxy's persisted ledger: `{"version": 1, "adapters": [{"name", "path"}, ...]}` (lorafleet_proxy.ledger).
-LEDGER_FILE = "proxy-ledger.json"
-
-
-def read_ledger_file(path: Path) -> list[tuple[str, str]] | None:
-    """(name, path) pairs of the proxy's ledger file, in load order; None when it cannot be read.
-
-    Used when the proxy cannot be asked and the fleet volume is mounted here.
-    """
+def read_ledger_file(adapter_root: Path) -> list[tuple[str, str]] | None:
+    """(name, path) pairs of the proxy's ledger file (`lorafleet.ledger_file`), in load order; None when it
+    cannot be read. Used when the proxy cannot be asked and the fleet volume is mounted here."""
     try:
-        payload = json.loads(path.read_text())
-        return [(str(e["name"]), str(e["path"])) for e in payload["adapters"]]
-    except (OSError, ValueError, KeyError, TypeError):
+        state = ledger_file.read(ledger_file.ledger_path(adapter_root), adapter_root)
+    except ledger_file.LedgerFileError:
         return None
+    return None if state is None else [(name, entry.path) for name, entry in state.adapters.items()]
