@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 
 import uvicorn
+import uvloop
 from lorafleet.logs import configure
 from lorafleet.settings import ConfigError, Settings, load_settings
 
@@ -57,7 +58,8 @@ def main() -> None:
     # seconds) stay off unless they are warnings.
     configure("proxy", settings.log_level, loggers=("uvicorn",))
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    asyncio.run(serve(settings))
+    # uvloop: asyncio.run would otherwise use the default loop (uvicorn only picks uvloop when it owns the loop).
+    uvloop.run(serve(settings))
 
 
 if __name__ == "__main__":
