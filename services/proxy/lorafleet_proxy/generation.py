@@ -15,9 +15,9 @@ reaches a replica. The upstream client is aiohttp, one keep-alive pool per repli
 grows to that replica's in-flight count.
 
 Which replicas: a request naming an adapter goes only to ready replicas that hold it (prefix affinity
-among them). A name no ready replica holds is a 404 at once when the fleet knows it as an adapter (a
-replica that is not ready holds it); any other name (the base model, under whatever name it is
-served) may go to any ready replica.
+among them); the base model (no `model`, its path or a served name from /server_info) goes to any
+ready replica. Any other name is a 404 from the proxy itself in vLLM's body ("The model `<n>` does
+not exist.", NotFoundError); nothing is sent.
 
 Retries: a connection error, a 5xx, or a holder's 404 "model does not exist" (it lost the adapter)
 before any byte reached the client is retried on another candidate, each replica at most once; a
@@ -146,6 +146,14 @@ class Upstreams:
         self.pools.clear()
 
 
+def serves_base(replica: Replica, name: str) -> bool:
+    """`name` is the replica's base model: its model path or a served name (unknown info: let it decide)."""
+    if replica.info is None:
+        return True
+    served = replica.info.raw.get("vllm_config", {}).get("model_config", {}).get("served_model_name")
+    return name == replica.info.model or name == served or (isinstance(served, list) and name in served)
+
+
 class GenerationFront:
     """ASGI middleware: serves the generation routes itself, bounds every body, passes the rest to `app`."""
 
@@ -218,9 +226,9 @@ class GenerationFront:
         if not adapter:
             return ready, False
         holders = [replica for replica in ready if adapter in replica.adapters]
-        if holders or any(adapter in replica.adapters for replica in self.fleet.replicas.values()):
+        if holders:
             return holders, True
-        return ready, False  # the base model (or a name no replica knows: the replica answers 404)
+        return [replica for replica in ready if serves_base(replica, adapter)], False
 
     async def attempt(self, replica: Replica, path: str, url: str, raw: bytes, stream: bool, held: bool,
                       send: Send) -> Failed | None:
