@@ -52,6 +52,7 @@ lint: setup ## ruff on all Python code and hadolint on every Dockerfile
 
 bench: setup ## Routing/proxy benchmark against fake replicas; writes results/bench-proxy.json
 	$(BIN)/python bench/proxy_bench.py --out results/bench-proxy.json
+	$(BIN)/python bench/hotpath_bench.py --out results/bench-proxy.json
 
 demo: setup ## CPU demo: tiny model, 2 replicas, proxy, real trainer; report in results/demo/
 	$(BIN)/lorafleet demo --out results/demo
