@@ -42,6 +42,12 @@ UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
 # --- throughput ------------------------------------------------------------------------------------
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wrk(url: str, connections: int, seconds: int) -> dict[str, Any]:
     """One wrk run; requests/s, p50/p99 in ms, timeouts and other errors."""
     out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "2s", "--latency",
@@ -83,14 +89,19 @@ def throughput(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                         env, log_dir / "forwarder.log", f"http://127.0.0.1:{fport}")
     proxy = proxy_service("proxy", {"PROXY_UPSTREAMS": replica.url, "ADAPTER_ROOT": str(log_dir / "root"),
                                     "PROXY_ROUTING": "affinity", "LOG_LEVEL": "WARNING"}, log_dir)
-    targets = {"direct": replica.url, "aiohttp_forwarder": forwarder.url, "lorafleet_affinity": proxy.url}
+    targets = {"direct": (replica.url, replica), "aiohttp_forwarder": (forwarder.url, forwarder),
+               "lorafleet_affinity": (proxy.url, proxy)}
     result: dict[str, Any] = {"tool": "wrk -t1 --timeout 2s, bench/wrk_completion.lua (200 token ids)",
                               "seconds": args.wrk_seconds, "runs": {}}
     with started([replica]), started([forwarder], health="/health"), started([proxy]):
         for connections in (8, 128):
-            for name, url in targets.items():
+            for name, (url, server) in targets.items():
                 wrk(url, connections, 1)  # warm-up: pools filled, code paths hot
+                cpu_before = cpu_s(server.pid)
                 run = wrk(url, connections, args.wrk_seconds)
+                # CPU per request of the process wrk talks to (robust to other load on the box).
+                run["server_cpu_us_per_request"] = round((cpu_s(server.pid) - cpu_before) * 1e6
+                                                         / max(run["requests_per_s"] * args.wrk_seconds, 1), 1)
                 result["runs"][f"{name}@{connections}"] = run
                 print(f"throughput {name}@{connections}: {run}", flush=True)
     runs = result["runs"]
@@ -247,17 +258,16 @@ def main() -> None:
         return
     sections = args.sections.split(",")
     existing = json.loads(args.out.read_text()) if args.out.exists() else {}
-    with tempfile.TemporaryDirectory(prefix="hotpath-bench-") as tmp:
-        log_dir = Path(tmp)
-        if "throughput" in sections:
-            existing["throughput"] = throughput(args, log_dir)
-        if "memory" in sections:
-            existing["memory_1m"] = memory(args)
-        if "vllm" in sections:
-            existing["routing_quality_vllm"] = vllm_quality(args, log_dir)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(existing, indent=2) + "\n")
-    print(f"written to {args.out}")
+    runs = {"throughput": ("throughput", lambda log_dir: throughput(args, log_dir)),
+            "memory": ("memory_1m", lambda log_dir: memory(args)),
+            "vllm": ("routing_quality_vllm", lambda log_dir: vllm_quality(args, log_dir))}
+    with tempfile.TemporaryDirectory(prefix="hotpath-bench-") as tmp:
+        for section in sections:
+            key, run = runs[section]
+            existing[key] = run(Path(tmp))
+            args.out.write_text(json.dumps(existing, indent=2) + "\n")  # each section kept even if a later one fails
+            print(f"{section} written to {args.out}", flush=True)
 
 
 if __name__ == "__main__":

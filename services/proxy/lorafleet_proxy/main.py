@@ -33,7 +33,9 @@ class _Server(uvicorn.Server):
 
 async def serve(settings: Settings) -> None:
     app = create_app(settings)
-    common = {"host": settings.proxy_host, "log_config": None, "access_log": False, "timeout_keep_alive": 75}
+    # No X-Forwarded-* rewriting (nothing reads the client address): one middleware less on every request.
+    common = {"host": settings.proxy_host, "log_config": None, "access_log": False, "timeout_keep_alive": 75,
+              "proxy_headers": False}
     servers = [_Server(uvicorn.Config(app, port=settings.proxy_port, lifespan="on", **common))]  # type: ignore[arg-type]
     if settings.proxy_api_key:
         public = BearerAuth(app, settings.proxy_api_key)

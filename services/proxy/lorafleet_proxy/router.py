@@ -35,7 +35,6 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from hashlib import blake2b
 from typing import Any, Literal
 
 import orjson
@@ -78,15 +77,19 @@ class Decision:
     specific_blocks: int
 
 
-_SEEDS = {kind: blake2b(kind, digest_size=8).digest() for kind in (b"tokens", b"text", b"chat")}
+_SEEDS = {kind: hash(b"lorafleet-route\0" + kind) for kind in (b"tokens", b"text", b"chat")}
 
 
 def _chain(kind: bytes, data: bytes, size: int) -> Prompt:
-    """One hash chain over the whole `size`-byte blocks of `data` (already cut to the routed head)."""
+    """One hash chain over the whole `size`-byte blocks of `data` (already cut to the routed head).
+
+    Python's own 64-bit hash (SipHash for bytes): the table lives in this process only, so a per-process
+    seed is fine, and it is several times cheaper than a cryptographic hash on the hot path.
+    """
     keys, previous = [], _SEEDS[kind]
     for start in range(0, len(data) - size + 1, size):
-        previous = blake2b(previous + data[start : start + size], digest_size=8).digest()
-        keys.append(int.from_bytes(previous, "little"))
+        previous = hash((previous, data[start : start + size]))
+        keys.append(previous)
     return Prompt(keys)
 
 
@@ -264,13 +267,13 @@ class Router:
                     self._count += 1
                 else:
                     table.move_to_end(key)
-                entry |= owner
+                updated = entry | owner
                 if successor is not None:
-                    updated = _with_successor(entry, successor & _TAG_MASK, slot)
+                    updated = _with_successor(updated, successor & _TAG_MASK, slot)
                     if updated & ~entry & _BRANCHED:
                         self._remember_common(key)
-                    entry = updated
-                table[key] = entry
+                if updated != entry:
+                    table[key] = updated
                 successor = key
         self._evict()
 
