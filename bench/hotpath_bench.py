@@ -169,16 +169,13 @@ async def grpo_traffic(base: str, prompts: list[list[int]], rollouts: int, group
         async def group(prompt: list[int]) -> None:
             nonlocal failures
             async with gate:
-                answers = await asyncio.gather(*(client.post("/v1/completions", json={
-                    "model": MODEL_NAME["base"], "prompt": prompt, "max_tokens": 2, "temperature": 1.0})
+                answers = await asyncio.gather(*(client.post("/v1/completions", json={  # no model: the base
+                    "prompt": prompt, "max_tokens": 2, "temperature": 1.0})
                     for _ in range(rollouts)))
                 failures += sum(answer.status_code != 200 for answer in answers)
 
         await asyncio.gather(*(group(prompt) for prompt in prompts))
     return failures
-
-
-MODEL_NAME = {"base": ""}
 
 
 def cache_counters(urls: list[str]) -> tuple[float, float]:
@@ -194,7 +191,6 @@ def vllm_quality(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     from lorafleet.tiny import make_tiny_model
 
     model = make_tiny_model(log_dir / "tiny")
-    MODEL_NAME["base"] = str(model)
     env = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(log_dir / "root"), "MAX_MODEL_LEN": "512",
            "VLLM_CPU_SETS": "0;1;0-1", "LOG_LEVEL": "WARNING"}
     replicas = [replica_service(f"vllm-{i}", env, log_dir) for i in range(2)]
