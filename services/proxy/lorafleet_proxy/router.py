@@ -215,15 +215,16 @@ class Router:
         if table is None:
             return specific
         slots = {url: 1 << self._slots[url] for url in urls if url in self._slots}
+        get, known_common = table.get, self._common  # locals: this loop runs for every block of every request
         for prompt in prompts:
             held: list[int] = []  # held[d]: owner bits of the replicas that hold every block up to depth d + 1
             alive = -1
             common = 0
             for depth, key in enumerate(prompt.keys, start=1):
-                entry = table.get(key)
+                entry = get(key)
                 if entry is None:
                     break
-                if entry & _BRANCHED or key in self._common:
+                if entry & _BRANCHED or key in known_common:
                     common = depth
                 alive &= entry >> _OWNER_SHIFT
                 if alive:
@@ -260,15 +261,16 @@ class Router:
             # Walk backwards so that a prompt's first blocks are the most recently used: eviction then
             # removes a prompt's tail before its head, and the prefix walk keeps working.
             successor: int | None = None
+            get, move_to_end = table.get, table.move_to_end
             for key in reversed(prompt.keys):
-                entry = table.get(key)
+                entry = get(key)
                 if entry is None:
                     entry = 0
                     self._count += 1
                 else:
-                    table.move_to_end(key)
+                    move_to_end(key)
                 updated = entry | owner
-                if successor is not None:
+                if successor is not None and updated & _SUCC_SLOT_MASK != (slot + 1) << _SUCC_SLOT_SHIFT:
                     updated = _with_successor(updated, successor & _TAG_MASK, slot)
                     if updated & ~entry & _BRANCHED:
                         self._remember_common(key)
