@@ -32,6 +32,7 @@ in try/finally, so a client that goes away at any point never leaks a count.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterable
@@ -209,7 +210,7 @@ class GenerationFront:
             self.outcomes[decision.outcome].inc()
             replica = self.fleet.replicas[decision.replica]
             tried.add(replica.url)
-            failed = await self.attempt(replica, path, url, raw, stream, held, send)
+            failed = await self.attempt(replica, path, url, raw, stream, held, send, receive)
             if failed is None:
                 return
             last = failed.response
@@ -231,7 +232,7 @@ class GenerationFront:
         return [replica for replica in ready if serves_base(replica, adapter)], False
 
     async def attempt(self, replica: Replica, path: str, url: str, raw: bytes, stream: bool, held: bool,
-                      send: Send) -> Failed | None:
+                      send: Send, receive: Receive) -> Failed | None:
         """One exchange with one replica; None once the client has its answer, else why it failed."""
         replica.inflight += 1
         replica.routed += 1
@@ -256,14 +257,7 @@ class GenerationFront:
                 self.latency[path].observe(time.perf_counter() - started)
                 await send({"type": "http.response.start", "status": status,
                             "headers": self._raw_headers(upstream, replica, None)})
-                try:
-                    async for chunk in upstream.content.iter_any():
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                except (TimeoutError, aiohttp.ClientError) as exc:
-                    log.warning("upstream %s broke a stream on %s: %s: %s; aborting the client connection",
-                                replica.url, path, type(exc).__name__, exc)
-                    raise StreamBroken(f"replica {replica.url} broke the stream: {exc}") from exc
-                await send({"type": "http.response.body", "body": b""})
+                await self._relay_stream(upstream, replica, path, send, receive)
                 return None
         except aiohttp.ConnectionTimeoutError as exc:  # connect timeout: likely dead
             return self._transport_failure(replica, path, exc, dead=True)
@@ -277,6 +271,37 @@ class GenerationFront:
             return self._transport_failure(replica, path, exc, dead=False)
         finally:
             replica.inflight -= 1
+
+    @staticmethod
+    async def _relay_stream(upstream: aiohttp.ClientResponse, replica: Replica, path: str, send: Send,
+                            receive: Receive) -> None:
+        """Chunks as they come; a client that leaves stops the stream (the replica sees its connection close)."""
+
+        async def relay() -> None:
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                log.warning("upstream %s broke a stream on %s: %s: %s; aborting the client connection",
+                            replica.url, path, type(exc).__name__, exc)
+                raise StreamBroken(f"replica {replica.url} broke the stream: {exc}") from exc
+            await send({"type": "http.response.body", "body": b""})
+
+        async def client_left() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        relaying, watching = asyncio.ensure_future(relay()), asyncio.ensure_future(client_left())
+        try:
+            await asyncio.wait((relaying, watching), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (relaying, watching):
+                task.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+        if relaying.done() and not relaying.cancelled():
+            relaying.result()  # StreamBroken propagates: the server aborts the client's connection
+        else:
+            log.info("client left a stream from %s on %s; closing the upstream request", replica.url, path)
 
     def _transport_failure(self, replica: Replica, path: str, exc: Exception, dead: bool) -> Failed:
         reason = f"{path}: {type(exc).__name__}: {exc}"
