@@ -137,8 +137,9 @@ class Upstreams:
             for gone in set(self.pools) - set(members):
                 await self.pools.pop(gone).close()
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
-            session = self.pools[url] = aiohttp.ClientSession(
-                connector=connector, timeout=self.timeout, auto_decompress=False, skip_auto_headers=("User-Agent",))
+            session = self.pools[url] = aiohttp.ClientSession(  # no cookies: nothing to store or filter per request
+                connector=connector, timeout=self.timeout, auto_decompress=False, skip_auto_headers=("User-Agent",),
+                cookie_jar=aiohttp.DummyCookieJar())
         return session
 
     async def close(self) -> None:
