@@ -1,4 +1,5 @@
 """The lean generation path over real HTTP against fake replicas (issue 11 defects 6-7, issue 12 bad input)."""
+# ruff: noqa: F811  (tests take test_proxy_faults' `fleet` fixture as an argument of the same name)
 
 from __future__ import annotations
 
@@ -82,6 +83,21 @@ async def test_a_client_gone_before_the_answer_leaks_no_inflight_count(fleet: Fl
         await fleet.http.post("/v1/completions", json=_completion([6] * 40, stream=True), timeout=0.1)
     assert sum(await inflight(fleet)) == 1, "the request is still at the replica"
     await asyncio.sleep(0.6)
+    assert await inflight(fleet) == [0, 0]
+
+
+async def test_a_client_leaving_a_stream_ends_the_upstream_request(fleet: Fleet) -> None:
+    for fake in fleet.fakes:
+        fake.faults.stream_delay_s = 1.0  # three chunks: the whole stream takes 3 s
+    async with httpx.AsyncClient(base_url=fleet.proxy.url) as client, client.stream(
+            "POST", "/v1/completions", json=_completion([8] * 40, stream=True)) as response:
+        first = await response.aiter_bytes().__anext__()
+        assert first.startswith(b"data: ")
+        assert sum(await inflight(fleet)) == 1
+    for _ in range(50):  # the client closed its connection: the proxy lets go long before the stream would end
+        if await inflight(fleet) == [0, 0]:
+            break
+        await asyncio.sleep(0.02)
     assert await inflight(fleet) == [0, 0]
 
 
