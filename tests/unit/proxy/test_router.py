@@ -227,3 +227,14 @@ def test_baselines_ignore_affinity() -> None:
 def test_unreadable_prompts_raise_bad_prompt(request_body: dict[str, object]) -> None:
     with pytest.raises(BadPrompt):
         Router().prompt_blocks(request_body)
+
+
+def test_the_table_stays_bounded_under_churn_and_recent_prompts_stay_known() -> None:
+    router = Router(block_size=16, max_blocks=1000)
+    for seed in range(3000):
+        prompt = distinct(seed, 160)  # ten blocks each
+        route(router, body(prompt, "m"), {A: 0, B: 0})
+        assert router.tracked_blocks <= 1000
+        if seed >= 50:
+            recent = body(distinct(seed - 40, 160), "m")
+            assert router._specific("m", router.prompt_blocks(recent), [A, B]) != {A: 0, B: 0}, seed
