@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from lorafleet.adapters import check_adapter_name
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
+from lorafleet.adapters import ADAPTER_NAME_PATTERN
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints
 
 from .broadcast import error
 
@@ -27,7 +27,8 @@ MAX_ERROR_CHARS = 300
 # Token ids are int64 in vLLM; a larger one can only be a client bug.
 MAX_TOKEN_ID = 2**63 - 1
 
-AdapterName = Annotated[str, AfterValidator(check_adapter_name)]
+# The pattern is in the schema (OpenAPI, fuzzing), and pydantic's `$` is the end of the string, newline or not.
+AdapterName = Annotated[str, StringConstraints(pattern=ADAPTER_NAME_PATTERN.pattern)]
 PauseMode = Literal["abort", "wait", "keep"]
 
 
