@@ -9,7 +9,7 @@ public port without it. Properties:
   replica received is valid under the proxy's request models;
 - the public port answers 401 without the key, and nothing reaches a replica.
 
-`LORAFLEET_FUZZ_EXAMPLES` (default 12) sets examples per route and mode; results go to
+`LORAFLEET_FUZZ_EXAMPLES` (default 25) sets examples per route and mode; results go to
 results/fuzz-proxy.json (cases, requests, failures).
 """
 
@@ -38,7 +38,7 @@ from pydantic import BaseModel, ValidationError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-EXAMPLES = int(os.environ.get("LORAFLEET_FUZZ_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("LORAFLEET_FUZZ_EXAMPLES", "25"))
 KEY = "fuzz-key"
 RESULTS = Path(__file__).resolve().parents[2] / "results" / "fuzz-proxy.json"
 ADMIN_BODIES: dict[str, type[BaseModel]] = {"/v1/load_lora_adapter": LoadLoRAAdapterRequest,
