@@ -20,6 +20,7 @@ pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = os.environ.get("PROXY_API_KEY", "gpu-runner-test-key")
+UPSTREAM_TOKEN = os.environ.get("PROXY_UPSTREAM_TOKEN", "gpu-runner-replica-key")
 PUBLIC = f"http://127.0.0.1:{os.environ.get('PROXY_PUBLIC_PORT', '8080')}"
 
 
@@ -33,7 +34,7 @@ def _engine_and_gpus() -> str | None:
 
 
 def _compose(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PROXY_API_KEY": KEY, "COMPOSE_PROFILES": "gpu"}
+    env = {**os.environ, "PROXY_API_KEY": KEY, "PROXY_UPSTREAM_TOKEN": UPSTREAM_TOKEN, "COMPOSE_PROFILES": "gpu"}
     return subprocess.run(["docker", "compose", *args], cwd=REPO, env=env, text=True, capture_output=True,
                           check=check, timeout=3600)
 
