@@ -28,7 +28,7 @@ STAMP := $(VENV)/.setup-stamp
 SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pyproject.toml services/proxy/pyproject.toml \
                 services/vllm/pyproject.toml services/trainer/pyproject.toml tools/setup_venv.sh tools/vllm_cpu_fixup.sh
 
-.PHONY: help setup unit integration test lint bench bench-attention demo status doctor up down scale logs ps test-stack test-gpu soak
+.PHONY: help setup unit integration test lint bench bench-attention demo status doctor up down scale logs ps test-stack test-gpu soak fuzz
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}'
@@ -61,6 +61,9 @@ test-gpu: ## The GPU tier: the Compose stack on this host's NVIDIA GPUs (needs 4
 lint: setup ## ruff on all Python code and hadolint on every Dockerfile
 	$(BIN)/ruff check shared services tests bench tools
 	$(BIN)/hadolint --failure-threshold warning services/*/Dockerfile*
+
+fuzz: setup ## Schemathesis against the proxy, longer than in make test: make fuzz [EXAMPLES=500]
+	$(TEST_ENV) LORAFLEET_FUZZ_EXAMPLES=$(or $(EXAMPLES),500) $(BIN)/pytest -m integration tests/integration/test_proxy_fuzz.py $(PYTEST_ARGS)
 
 bench: setup ## Routing/proxy benchmark against fake replicas; writes results/bench-proxy.json
 	$(BIN)/python bench/proxy_bench.py --out results/bench-proxy.json

@@ -181,7 +181,7 @@ async def bench_mode(mode: str, args: argparse.Namespace, prompts: list[list[int
     fakes, fake_urls = start_fakes(args)
     port = free_port()
     env = {**os.environ, "PROXY_UPSTREAMS": ",".join(fake_urls), "PROXY_PORT": str(port), "PROXY_API_KEY": "",
-           "PROXY_HOST": "127.0.0.1", "PROXY_ROUTING": mode, "ADAPTER_ROOT": args.adapter_root,
+           "PROXY_FLEET_HOST": "127.0.0.1", "PROXY_ROUTING": mode, "ADAPTER_ROOT": args.adapter_root,
            "PROXY_HEALTH_INTERVAL_S": "1", "LOG_LEVEL": "WARNING", "PROXY_IMBALANCE": str(args.imbalance)}
     proxy = subprocess.Popen([script("lorafleet-proxy")], env=env, cwd=args.adapter_root)
     url = f"http://127.0.0.1:{port}"

@@ -123,7 +123,8 @@ def replica_service(name: str, env: Mapping[str, str], log_dir: Path, port: int 
 def proxy_service(name: str, env: Mapping[str, str], log_dir: Path, port: int | None = None) -> Service:
     """A `lorafleet-proxy` whose fleet port is 127.0.0.1:`port`."""
     port = port or free_port()
-    full_env = {**os.environ, "PROXY_HOST": "127.0.0.1", **env, "PROXY_PORT": str(port)}
+    loopback = {"PROXY_FLEET_HOST": "127.0.0.1", "PROXY_PUBLIC_HOST": "127.0.0.1"}
+    full_env = {**os.environ, **loopback, **env, "PROXY_PORT": str(port)}
     return Service(name, [script("lorafleet-proxy")], full_env, log_dir / f"{name}.log", f"http://127.0.0.1:{port}")
 
 

@@ -16,6 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
+from dotenv import dotenv_values
 from pydantic import Field, ValidationError, computed_field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -28,6 +29,8 @@ ENV_FILE_VARIABLE = "LORAFLEET_ENV_FILE"
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # Never echoed in error messages or logs.
 SECRET_FIELDS = frozenset({"proxy_api_key", "proxy_upstream_token"})
+# Variables that no longer exist, and what replaces them: refused at start rather than silently ignored.
+RENAMED = {"PROXY_HOST": "PROXY_FLEET_HOST and PROXY_PUBLIC_HOST (one bind address per port)"}
 
 
 class ConfigError(ValueError):
@@ -96,8 +99,13 @@ class Settings(BaseSettings):
     proxy_upstream_dns: str = Field(
         "", description="host:port re-resolved every PROXY_DNS_INTERVAL_S; every address is a replica (Compose)."
     )
-    proxy_upstream_token: str = Field("", description="Bearer token the proxy sends to replicas (remote replicas).")
-    proxy_host: str = Field("0.0.0.0", description="Address the proxy's ports bind to.")
+    proxy_upstream_token: str = Field(
+        "", description="Replicas' Bearer key (their vLLM API key); proxy and doctor send it. Empty = none. SECRET."
+    )
+    proxy_fleet_host: str = Field(
+        "127.0.0.1", description="Address the fleet port binds to: only an address the trainer's network reaches."
+    )
+    proxy_public_host: str = Field("127.0.0.1", description="Address the public port binds to.")
     proxy_port: int = Field(8000, ge=1, le=65535, description="Fleet port: internal network, no credentials (trainer).")
     proxy_public_port: int = Field(
         8080, ge=1, le=65535, description="Public port; needs PROXY_API_KEY, every request a Bearer key."
@@ -278,6 +286,14 @@ def env_name(field: str) -> str:
     return field.upper()
 
 
+def _refuse_renamed(env_file: str | None) -> None:
+    in_file = dotenv_values(env_file) if env_file and Path(env_file).is_file() else {}
+    stale = [name for name in RENAMED if name in os.environ or name in in_file]
+    if stale:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(f"{name}: replaced by {RENAMED[name]}"
+                                                                    for name in stale))
+
+
 def load_settings(**overrides: object) -> Settings:
     """Read the settings, turning validation errors into one ConfigError that names each variable.
 
@@ -285,6 +301,7 @@ def load_settings(**overrides: object) -> Settings:
     or none when empty (`make test` sets it empty, so a developer's stack `.env` cannot steer the tests).
     """
     env_file = os.environ.get(ENV_FILE_VARIABLE, ".env") or None
+    _refuse_renamed(env_file)
     try:
         return Settings(_env_file=env_file, **overrides)  # type: ignore[arg-type, call-arg]
     except ValidationError as exc:

@@ -15,6 +15,7 @@ import pytest
 from compose_helpers import (
     COMPOSE_FILE,
     REPO,
+    ComposeResult,
     ComposeRunner,
     EnvFileMaker,
     RenderFn,
@@ -23,6 +24,7 @@ from compose_helpers import (
 )
 from lorafleet.settings import Settings
 
+STACK = {"store-init", "model-fetch", "proxy", "vllm", "trainer"}
 ROLE_BY_DOCKERFILE_DIR = {"services/vllm/": "replica", "services/proxy/": "proxy", "services/trainer/": "trainer"}
 
 
@@ -107,10 +109,18 @@ def test_required_secrets_fail_fast_when_unset(run_compose: ComposeRunner, make_
 
 
 def test_env_example_as_shipped_refuses_to_start(run_compose: ComposeRunner, make_env_file: EnvFileMaker) -> None:
-    """`cp .env.example .env && docker compose up` stops at once and says which secret to set."""
-    result = run_compose("config", "-q", env_file=make_env_file(fill_secrets=False))
-    assert result.returncode != 0
-    assert all(name in result.stderr for name in required_compose_vars()), result.stderr
+    """`cp .env.example .env && docker compose up` stops at once and says which secret to set, until all are set."""
+    required, named = required_compose_vars(), set[str]()
+
+    def config() -> ComposeResult:
+        return run_compose("config", "-q", env_file=make_env_file(fill_secrets=False, **dict.fromkeys(named, "s")))
+
+    for _ in required:
+        result = config()
+        assert result.returncode != 0, f"compose started with only {named} set"
+        (missing,) = [name for name in required - named if name in result.stderr] or [result.stderr]
+        named.add(missing)
+    assert named == required and config().returncode == 0
 
 
 # --- ports and networks ------------------------------------------------------------------------------------------
@@ -163,9 +173,11 @@ def test_replicas_are_reachable_only_through_the_internal_fleet_network(project:
         assert proxy["environment"]["PROXY_PORT"] == default_of("proxy_port")
 
 
-def test_replicas_and_trainer_can_download_models(project: dict) -> None:
+def test_trainer_and_model_fetch_can_download_models(project: dict) -> None:
     networks = project["networks"]
-    for name, svc in {**services_by_role(project, "replica"), **services_by_role(project, "trainer")}.items():
+    fetchers = {n: s for n, s in project["services"].items() if n.startswith("model-fetch")}
+    assert set(fetchers) == {"model-fetch", "model-fetch-cpu"}
+    for name, svc in {**fetchers, **services_by_role(project, "trainer")}.items():
         assert any(not networks[n].get("internal") for n in svc["networks"]), f"{name} has no route to the Hub"
 
 
@@ -281,7 +293,10 @@ def test_one_shot_services_are_adopted_so_up_wait_succeeds(project: dict) -> Non
             other for other, o in services.items()
             if (o.get("depends_on") or {}).get(name, {}).get("condition") == "service_completed_successfully"
         ]
-        assert {"vllm", "vllm-cpu", "proxy"} <= set(adopters), f"{name} is adopted by {adopters} only"
+        # Adopted in every profile it runs in: by the replicas there (and the proxy, for profile-less ones).
+        replicas = {"gpu": "vllm", "cpu": "vllm-cpu"}
+        wanted = {replicas[p] for p in svc["profiles"]} if svc.get("profiles") else {*replicas.values(), "proxy"}
+        assert wanted <= set(adopters), f"{name} is adopted by {adopters} only"
 
 
 def test_cpu_profile_runs_the_same_topology(run_compose: ComposeRunner, make_env_file: EnvFileMaker) -> None:
@@ -293,15 +308,15 @@ def test_cpu_profile_runs_the_same_topology(run_compose: ComposeRunner, make_env
         return set(result.stdout.split())
 
     gpu, cpu = services("gpu"), services("cpu")
-    assert {name.removesuffix("-cpu") for name in cpu} == gpu == {"store-init", "proxy", "vllm", "trainer"}
+    assert {name.removesuffix("-cpu") for name in cpu} == gpu == STACK
 
 
 def test_default_profile_comes_from_env_example(run_compose: ComposeRunner, make_env_file: EnvFileMaker) -> None:
     """`docker compose up` with the documented .env starts the GPU stack, `--scale vllm=N` works without flags."""
     result = run_compose("config", "--services", env_file=make_env_file(), profiles=())
-    assert set(result.stdout.split()) == {"store-init", "proxy", "vllm", "trainer"}, result.stderr
+    assert set(result.stdout.split()) == STACK, result.stderr
     cpu = run_compose("config", "--services", env_file=make_env_file(COMPOSE_PROFILES="cpu"), profiles=())
-    assert set(cpu.stdout.split()) == {"store-init", "proxy", "vllm-cpu", "trainer-cpu"}, cpu.stderr
+    assert set(cpu.stdout.split()) == {"store-init", "proxy", "model-fetch-cpu", "vllm-cpu", "trainer-cpu"}, cpu.stderr
 
 
 def test_cpu_trainer_is_the_trainer_dockerfile_on_the_cpu_replica_image(project: dict) -> None:

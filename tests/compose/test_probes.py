@@ -72,8 +72,9 @@ def dockerfile_probe(path: Path) -> list[str]:
 def probe_env(service: str, port: int) -> dict[str, str]:
     if service.startswith("trainer"):
         return {"TRAINER_VLLM_URL": f"http://127.0.0.1:{port}/"}
-    variable = "PROXY_PORT" if service == "proxy" else "REPLICA_PORT"
-    return {variable: str(port)}
+    if service == "proxy":
+        return {"PROXY_PORT": str(port), "PROXY_FLEET_HOST": "127.0.0.1"}
+    return {"REPLICA_PORT": str(port)}
 
 
 def free_port() -> int:

@@ -46,12 +46,62 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from lorafleet.ledger_file import fingerprint
 from lorafleet.processes import free_port
 from lorafleet.vllm_api import error_body
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 
 def vllm_error(status: int, message: str, error_type: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, error_type, status, param), status_code=status)
+
+
+@dataclass
+class Received:
+    """One HTTP request a fake replica got, and the status and body it answered."""
+
+    method: str
+    path: str
+    query: str
+    body: bytes
+    status: int = 0
+    answer: bytes = b""
+
+
+class Recorder:
+    """ASGI wrapper appending every request (and its answer) to `log`: what reached the replica, exactly."""
+
+    def __init__(self, app: ASGIApp, log: list[Received]) -> None:
+        self.app, self.log = app, log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        more = True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        entry = Received(scope["method"], scope["path"], scope["query_string"].decode("latin-1"), b"".join(chunks))
+        self.log.append(entry)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": entry.body, "more_body": False}
+
+        async def record(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                entry.status = message["status"]
+            elif message["type"] == "http.response.body" and len(entry.answer) < 65536:
+                entry.answer += message.get("body", b"")
+            await send(message)
+
+        await self.app(scope, replay, record)
 
 
 @dataclass
@@ -81,6 +131,7 @@ class FakeReplica:
     fingerprints: dict[str, str] = field(default_factory=dict)  # content of each adapter when it was loaded
     paused: str | None = None
     calls: list[tuple[str, Any]] = field(default_factory=list)  # (path, payload) of every state-changing call
+    received: list[Received] = field(default_factory=list)  # every request, as it arrived (see `served`)
     completions: int = 0
     url: str = ""
     cached_blocks: set[bytes] = field(default_factory=set)  # a prefix cache that never evicts (token prompts)
@@ -96,6 +147,10 @@ class FakeReplica:
         self.fingerprints.clear()
         self.paused = None
         self.cached_blocks.clear()
+
+    def served(self) -> Recorder:
+        """The app wrapped so that `received` records every request: serve this one."""
+        return Recorder(self.app(), self.received)
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -181,6 +236,9 @@ class FakeReplica:
             body = await request.json()
             self.completions += 1
             model = body.get("model")
+            if not isinstance(model, str | None):  # vLLM's CompletionRequest: model is str | None
+                return vllm_error(400, "1 validation error: body.model: Input should be a valid string",
+                                  "Bad Request", "body.model")
             if model != self.base_model and model not in self.adapters:
                 return vllm_error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
             self._account_prefix_cache(model, body.get("prompt"))
@@ -288,7 +346,7 @@ async def start_server(app: Any, port: int | None = None, lifespan: str = "on") 
 
 async def start_fakes(n: int, **kwargs: Any) -> tuple[list[FakeReplica], list[Running]]:
     fakes = [FakeReplica(**kwargs) for _ in range(n)]
-    running = [await start_server(fake.app()) for fake in fakes]
+    running = [await start_server(fake.served()) for fake in fakes]
     for fake, server in zip(fakes, running, strict=True):
         fake.url = server.url
     return fakes, running

@@ -86,3 +86,19 @@ def test_dry_run_prints_device_env_and_command(tmp_path: Path):
     assert plan["env"]["CUDA_VISIBLE_DEVICES"] == "4"
     assert plan["argv"][:2] == ["vllm", "serve"]
     assert plan["lock"].startswith(str(tmp_path / ".fleet"))
+
+
+def test_upstream_token_becomes_vllms_api_key_in_the_environment_not_argv():
+    launch = build_launch(load_settings(proxy_upstream_token="t0ken"), "0")
+    assert launch.env["VLLM_API_KEY"] == "t0ken"
+    assert not any("t0ken" in arg for arg in launch.argv), "the key would show in every process listing"
+    assert launch.shown_env()["VLLM_API_KEY"] == "<secret>"
+    assert "VLLM_API_KEY" not in build_launch(load_settings(), "0").env
+
+
+def test_dry_run_masks_the_api_key(tmp_path: Path):
+    env = {**os.environ, "ADAPTER_ROOT": str(tmp_path), "REPLICA_DEVICE": "gpu", "PROXY_UPSTREAM_TOKEN": "t0ken"}
+    result = subprocess.run([sys.executable, "-m", "lorafleet_replica.main", "--dry-run"], env=env,
+                            capture_output=True, text=True, cwd=tmp_path, timeout=60, check=True)
+    assert "t0ken" not in result.stdout
+    assert json.loads(result.stdout)["env"]["VLLM_API_KEY"] == "<secret>"

@@ -152,3 +152,21 @@ def test_an_empty_lorafleet_env_file_disables_the_env_file(monkeypatch: pytest.M
     (tmp_path / ".env").write_text("MAX_STALENESS=7\n")
     monkeypatch.setenv("LORAFLEET_ENV_FILE", "")
     assert load_settings().max_staleness == 4
+
+
+@pytest.mark.parametrize("where", ["environment", "env file"])
+def test_the_removed_proxy_host_is_refused_naming_its_replacements(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str
+) -> None:
+    if where == "environment":
+        monkeypatch.setenv("PROXY_HOST", "0.0.0.0")
+    else:
+        (tmp_path / "stack.env").write_text("PROXY_HOST=0.0.0.0\n")
+        monkeypatch.setenv("LORAFLEET_ENV_FILE", str(tmp_path / "stack.env"))
+    with pytest.raises(ConfigError, match="PROXY_HOST: replaced by PROXY_FLEET_HOST and PROXY_PUBLIC_HOST"):
+        load_settings()
+
+
+def test_both_proxy_ports_bind_to_loopback_unless_told_otherwise() -> None:
+    settings = load_settings()
+    assert (settings.proxy_fleet_host, settings.proxy_public_host) == ("127.0.0.1", "127.0.0.1")

@@ -9,15 +9,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from lorafleet.settings import ConfigError, Settings
 from lorafleet.vllm_api import VLLMError
@@ -32,6 +32,14 @@ from .forward import Forwarder
 from .generation import ROUTES, GenerationFront, Upstreams
 from .ledger import Ledger, ledger_path
 from .metrics import Metrics
+from .openapi import document
+from .requests import (
+    LoadLoRAAdapterRequest,
+    PauseMode,
+    ResetPrefixCacheQuery,
+    UnloadLoRAAdapterRequest,
+    validation_error,
+)
 from .router import Router
 
 log = logging.getLogger("lorafleet.proxy")
@@ -96,16 +104,6 @@ class RequestMetrics:
             self.metrics.requests.labels(route, str(status)).inc()
 
 
-async def _json_body(request: Request) -> dict[str, Any] | JSONResponse:
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError as exc:
-        return error(400, f"invalid JSON body: {exc}", "Bad Request")
-    if not isinstance(body, dict):
-        return error(400, "the request body must be a JSON object", "Bad Request")
-    return body
-
-
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """The proxy app for these settings; `transport` replaces the network for in-process tests."""
     require_upstreams(settings)
@@ -129,7 +127,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             await fleet.stop()
             await upstreams.close()
 
-    app = FastAPI(title="lorafleet proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="lorafleet proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json", exception_handlers={RequestValidationError: validation_error})
     app.state.fleet, app.state.router, app.state.ledger, app.state.metrics = fleet, router, ledger, metrics
 
     async def timed(op: str, call: Awaitable[Response]) -> Response:
@@ -149,17 +148,15 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
 
     # --- fleet-wide state changes ------------------------------------------------------------------
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request) -> Response:
-        body = await _json_body(request)
-        return body if isinstance(body, Response) else await timed("load", broadcast.load_adapter(fleet, body))
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        return await timed("load", broadcast.load_adapter(fleet, body.model_dump()))
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request) -> Response:
-        body = await _json_body(request)
-        return body if isinstance(body, Response) else await timed("unload", broadcast.unload_adapter(fleet, body))
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        return await timed("unload", broadcast.unload_adapter(fleet, body.model_dump()))
 
     @app.post("/pause")
-    async def pause(mode: str = "abort") -> Response:
+    async def pause(mode: PauseMode = "abort") -> Response:
         return await timed("pause", broadcast.pause(fleet, mode))
 
     @app.post("/resume")
@@ -167,22 +164,24 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         return await timed("resume", broadcast.resume(fleet))
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(request: Request) -> Response:
-        return await timed("reset_prefix_cache", broadcast.reset_prefix_cache(fleet, dict(request.query_params)))
+    async def reset_prefix_cache(query: Annotated[ResetPrefixCacheQuery, Query()]) -> Response:
+        return await timed("reset_prefix_cache", broadcast.reset_prefix_cache(fleet, query.params()))
 
     async def reset_other_cache(request: Request) -> Response:
-        return await broadcast.reset_cache(fleet, request.url.path, dict(request.query_params))
+        return await broadcast.reset_cache(fleet, request.url.path, {})  # vLLM's routes take no parameters
 
     for path in CACHE_RESET_ROUTES:
         app.add_api_route(path, reset_other_cache, methods=["POST"])
 
     async def refused(request: Request) -> Response:
-        return error(501, f"{request.url.path} is not supported by the lorafleet proxy: it changes one engine's "
+        # 403, not 5xx: a refusal by policy (these routes are open on the replicas even with --api-key).
+        return error(403, f"{request.url.path} is refused by the lorafleet proxy: it changes one engine's "
                      "state and would leave the replicas inconsistent. Adapter-only sync (runtime LoRA) is the "
-                     "supported way to update the fleet's policy.", "NotImplementedError")
+                     "supported way to update the fleet's policy.", "Forbidden")
 
     for path in REFUSED_ROUTES:
-        app.add_api_route(path, refused, methods=["GET", "POST"])
+        for method in ("GET", "POST"):
+            app.add_api_route(path, refused, methods=[method], operation_id=f"refused_{method}{path}".lower())
 
     # --- read-only ---------------------------------------------------------------------------------
     def read_only(path: str) -> Any:
@@ -203,7 +202,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         return JSONResponse({"is_paused": any(answer is True for answer in answers)})
 
     @app.get("/server_info")
-    async def server_info(request: Request, config_format: str = "text") -> Response:
+    async def server_info(request: Request, config_format: Literal["text", "json"] = "text") -> Response:
         ready = fleet.ready()
         if not ready:
             return no_ready_replica(fleet)
@@ -275,6 +274,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
 
     app.add_middleware(GenerationFront, fleet=fleet, router=router, metrics=metrics, upstreams=upstreams,  # type: ignore[arg-type]
                        token=settings.proxy_upstream_token, max_body_bytes=settings.proxy_max_body_bytes)
+    app.openapi = lambda: document(app)  # type: ignore[method-assign]
     app.add_middleware(RequestMetrics, metrics=metrics, routes={route.path for route in app.routes})  # type: ignore[attr-defined]
     return app
 

@@ -1,7 +1,9 @@
 """`lorafleet-proxy`: the fleet port (no credentials) and, with PROXY_API_KEY, the public port, in one process.
 
 Both ports serve the same app from one event loop (so they share router, fleet and ledger); the
-public one wraps it in bearer-key auth. Exits 2 with a message naming the variable on bad config.
+public one wraps it in bearer-key auth. Each port has its own bind address (PROXY_FLEET_HOST,
+PROXY_PUBLIC_HOST): the keyless fleet port listens only where the trainer's network reaches it.
+Exits 2 with a message naming the variable on bad config.
 """
 
 from __future__ import annotations
@@ -42,18 +44,18 @@ async def serve(settings: Settings) -> None:
     gc.collect()
     gc.freeze()  # everything built at startup (modules, app, routes) is never traversed by the collector again
     # No X-Forwarded-* rewriting (nothing reads the client address): one middleware less on every request.
-    common = {"host": settings.proxy_host, "log_config": None, "access_log": False, "timeout_keep_alive": 75,
-              "proxy_headers": False}
-    servers = [_Server(uvicorn.Config(app, port=settings.proxy_port, lifespan="on", **common))]  # type: ignore[arg-type]
+    common = {"log_config": None, "access_log": False, "timeout_keep_alive": 75, "proxy_headers": False}
+    servers = [_Server(uvicorn.Config(app, host=settings.proxy_fleet_host, port=settings.proxy_port, lifespan="on",
+                                      **common))]  # type: ignore[arg-type]
     if settings.proxy_api_key:
         public = BearerAuth(app, settings.proxy_api_key)
-        servers.append(_Server(uvicorn.Config(public, port=settings.proxy_public_port, lifespan="off", **common)))  # type: ignore[arg-type]
+        servers.append(_Server(uvicorn.Config(public, host=settings.proxy_public_host, port=settings.proxy_public_port,
+                                              lifespan="off", **common)))  # type: ignore[arg-type]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: [setattr(server, "should_exit", True) for server in servers])
-    public_port = settings.proxy_public_port if settings.proxy_api_key else "off (no PROXY_API_KEY)"
-    log.info("proxy listening host=%s fleet_port=%d public_port=%s", settings.proxy_host, settings.proxy_port,
-             public_port)
+    public = f"{settings.proxy_public_host}:{settings.proxy_public_port}" if settings.proxy_api_key else "off"
+    log.info("proxy listening fleet=%s:%d public=%s", settings.proxy_fleet_host, settings.proxy_port, public)
     await asyncio.gather(*(server.serve() for server in servers))
 
 

@@ -4,6 +4,9 @@ Everything the fleet relies on is set here and only here: runtime LoRA updating 
 (the proxy loads adapters and pauses replicas), --max-loras = max_staleness + 2 and the rounded
 --max-lora-rank (TRL refuses fewer slots, see trl-async-grpo.md section 4), processed logprobs
 (the behaviour policy's logprobs TRL uses as PPO denominator) and vLLM's own generation config.
+With PROXY_UPSTREAM_TOKEN set, vLLM gets it as its API key through VLLM_API_KEY (not `--api-key`,
+which would show it in every process listing). vLLM 0.31 guards only /v1/*, /v2/*, /inference/*
+and /cohere/* with it; its dev routes (/pause, /collective_rpc, ...) stay open (see SECURITY.md).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ OWN_VLLM_VARIABLES = frozenset(
      "VLLM_EXTRA_ARGS"}
 )
 
+# vLLM reads its API key from here when --api-key is not given (vllm/entrypoints/serve/middleware/register.py).
+API_KEY_VARIABLE = "VLLM_API_KEY"
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -28,6 +34,10 @@ class Launch:
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+
+    def shown_env(self) -> dict[str, str]:
+        """`env` for printing: the API key masked."""
+        return {key: "<secret>" if key == API_KEY_VARIABLE else value for key, value in self.env.items()}
 
     def environment(self, inherited: Mapping[str, str]) -> dict[str, str]:
         merged = {key: value for key, value in inherited.items() if key not in OWN_VLLM_VARIABLES}
@@ -50,6 +60,8 @@ def build_launch(settings: Settings, device: str) -> Launch:
         "--generation-config", "vllm",
     ]  # fmt: skip
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    if settings.proxy_upstream_token:
+        env[API_KEY_VARIABLE] = settings.proxy_upstream_token
     if settings.replica_device == "gpu":
         env["CUDA_VISIBLE_DEVICES"] = device
         argv += ["--gpu-memory-utilization", str(settings.vllm_gpu_memory_utilization)]

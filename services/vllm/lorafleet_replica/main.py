@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_NO_DEVICE
     launch = offline_for_local_model(settings, build_launch(settings, claim.device))
     if args.dry_run:
-        print(json.dumps({"device": claim.device, "lock": str(claim.lock_path), "env": launch.env,
+        print(json.dumps({"device": claim.device, "lock": str(claim.lock_path), "env": launch.shown_env(),
                           "argv": launch.argv}, indent=2))
         return 0
     command = resolve_vllm(launch.argv)

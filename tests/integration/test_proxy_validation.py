@@ -1,0 +1,76 @@
+"""Bad admin input is vLLM's 400 before any broadcast: no fleet lock taken, nothing sent to a replica (issue 12).
+
+Each bad body is sent while a slow load holds the fleet lock (a replica answering "No adapter found"
+until the load deadline): an answer that comes back at once proves the check ran before the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fakes import start_fakes, start_server
+from lorafleet.settings import load_settings
+from lorafleet_proxy.app import create_app
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+LOAD = "/v1/load_lora_adapter"
+UNLOAD = "/v1/unload_lora_adapter"
+# (path, query, JSON body, param named in the 400)
+BAD: list[tuple[str, dict[str, str], Any, str]] = [
+    (LOAD, {}, {"lora_name": "a", "lora_path": ["/x", "/y"]}, "body.lora_path"),
+    (LOAD, {}, {"lora_name": "a", "lora_path": {"p": "/x"}}, "body.lora_path"),
+    (LOAD, {}, {"lora_name": "a", "lora_path": 7}, "body.lora_path"),
+    (LOAD, {}, {"lora_name": "a", "lora_path": ""}, "body.lora_path"),
+    (LOAD, {}, {"lora_name": "a"}, "body.lora_path"),
+    (LOAD, {}, {"lora_name": ["a"], "lora_path": "runs/r/.vllm_lora/a"}, "body.lora_name"),
+    (LOAD, {}, {"lora_name": "../evil", "lora_path": "runs/r/.vllm_lora/a"}, "body.lora_name"),
+    (LOAD, {}, {"lora_name": "a", "lora_path": "runs/r/.vllm_lora/a", "load_inplace": "yes"}, "body.load_inplace"),
+    (LOAD, {}, {"lora_name": "a", "lora_path": "runs/r/.vllm_lora/a", "is_3d_lora_weight": True},
+     "body.is_3d_lora_weight"),
+    (LOAD, {}, ["lora_name", "a"], "body"),
+    (UNLOAD, {}, {"lora_name": 3}, "body.lora_name"),
+    (UNLOAD, {}, {}, "body.lora_name"),
+    ("/pause", {"mode": "later"}, None, "query.mode"),
+    ("/reset_prefix_cache", {"reset_external": "maybe"}, None, "query.reset_external"),
+]
+
+
+async def test_bad_admin_input_is_400_before_the_lock_and_reaches_no_replica(tmp_path: Path) -> None:
+    fakes, servers = await start_fakes(2)
+    settings = load_settings(proxy_upstreams=",".join(s.url for s in servers), adapter_root=str(tmp_path),
+                             proxy_health_interval_s=0.05, proxy_lora_load_timeout_s=3.0)
+    proxy = await start_server(create_app(settings))
+    try:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
+            for _ in range(250):
+                if (await client.get("/health")).status_code == 200:
+                    break
+                await asyncio.sleep(0.02)
+            fakes[0].faults.not_found_loads = 10**6  # the load below holds the fleet lock until its deadline
+            slow = asyncio.create_task(client.post(LOAD, json={"lora_name": "slow", "lora_path": "runs/r/slow"}))
+            while not fakes[0].loads():
+                await asyncio.sleep(0.01)
+            before = [len(fake.received) for fake in fakes]
+            for path, query, body, param in BAD:
+                started = time.monotonic()
+                answer = await client.post(path, params=query, json=body)
+                took = time.monotonic() - started
+                assert answer.status_code == 400, (path, body, answer.text)
+                error = answer.json()["error"]
+                assert (error["type"], error["code"], error["param"]) == ("Bad Request", 400, param), error
+                assert took < 1.0, f"{path} {body} waited {took:.1f}s: it queued behind the fleet lock"
+            reached = [(r.method, r.path) for fake, mark in zip(fakes, before, strict=True)
+                       for r in fake.received[mark:] if r.path in (LOAD, UNLOAD, "/pause", "/reset_prefix_cache")
+                       and b"slow" not in r.body]
+            assert reached == [], f"bad requests reached replicas: {reached}"
+            assert (await slow).status_code == 504, "the lock holder did not run to its deadline"
+    finally:
+        await proxy.stop()
+        for server in servers:
+            await server.stop()
