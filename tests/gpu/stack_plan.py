@@ -48,6 +48,7 @@ class StackPlan:
     public_port: int
     api_key: str
     base_model: str
+    upstream_token: str = ""  # the replicas' vLLM API key, which the proxy sends (PROXY_UPSTREAM_TOKEN)
     trainer_gpus: tuple[str, ...] = ()
     replica_pool: tuple[str, ...] = ()  # VLLM_GPUS (gpu) or VLLM_CPU_SETS (cpu)
     settings: dict[str, str] = field(default_factory=dict)  # training/serving settings of this profile
@@ -72,6 +73,7 @@ class StackPlan:
             "IMAGE_TAG": IMAGE_TAG,
             "REPLICAS": str(self.replicas),
             "PROXY_API_KEY": self.api_key,
+            "PROXY_UPSTREAM_TOKEN": self.upstream_token,
             "PROXY_PUBLIC_PORT": str(self.public_port),
             "BASE_MODEL": self.base_model,
             "RUN_NAME": RUN_NAME,
@@ -145,7 +147,8 @@ def plan_stack(profile: Profile, *, replicas: int, gpus: list[str] | None = None
                model: str | None = None, project: str | None = None, public_port: int | None = None) -> StackPlan:
     """The layout for this host, or NotEnoughDevices saying why it cannot run here."""
     common: dict[str, Any] = {"profile": profile, "project": project or unique_project(), "replicas": replicas,
-                              "public_port": public_port or free_port(), "api_key": secrets.token_hex(16)}
+                              "public_port": public_port or free_port(), "api_key": secrets.token_hex(16),
+                              "upstream_token": secrets.token_hex(16)}
     if profile == "gpu":
         trainer, pool = gpu_layout(gpus or [], replicas)
         return StackPlan(**common, base_model=model or DEFAULT_GPU_MODEL, trainer_gpus=trainer, replica_pool=pool,
