@@ -6,7 +6,7 @@ view and the replica list, each replica is then asked DIRECTLY (its own `/server
 generated with on every replica. The check functions are pure (snapshot in, `CheckResult` out) so
 they are unit-tested on recorded payloads; `run_doctor` gathers the snapshot and runs the probe.
 
-The probe changes the fleet for a few seconds (one extra adapter, a pause in `keep` mode): run the
+The probe changes the fleet for a few seconds (one extra adapter, a pause in `wait` mode): run the
 doctor before training, as the trainer does, or pass `probe=False` on a fleet that is training.
 """
 
@@ -811,10 +811,11 @@ async def _probe_unload(report: ProbeReport, clients: dict[str, VLLMClient], pro
 
 
 async def _probe_pause(report: ProbeReport, clients: dict[str, VLLMClient], proxy: VLLMClient) -> None:
-    """Pause (keep mode: in-flight requests freeze, none is lost) and resume through the proxy."""
+    """Pause and resume through the proxy. `wait` (in-flight requests finish, none is lost): the proxy always
+    broadcasts it, while the trainer's `keep` pauses may be elided (PROXY_SYNC_PAUSE)."""
     try:
         try:
-            await proxy.pause("keep")
+            await proxy.pause("wait")
         except VLLMError as exc:
             report.pause_error = str(exc)
         report.paused = dict(zip(clients, await asyncio.gather(*(_paused(c) for c in clients.values())), strict=True))

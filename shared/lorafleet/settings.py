@@ -125,6 +125,10 @@ class Settings(BaseSettings):
     proxy_request_timeout_s: float = Field(
         900.0, gt=0, description="Read timeout of one routed request to a replica."
     )
+    proxy_sync_pause: Literal["elide", "broadcast"] = Field(
+        "elide",
+        description="elide: a keep pause on the fleet port (trainer sync) pauses no replica; broadcast: it does.",
+    )
 
     # --- trainer ----------------------------------------------------------------------------
     trainer_recipe: Literal["math", "tiny", "jsonl"] = Field(

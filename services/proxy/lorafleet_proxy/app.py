@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import broadcast
 from .broadcast import error, no_ready_replica, relay
+from .elision import PUBLIC_PORT_SCOPE_KEY, PauseElision
 from .fleet import Fleet, State
 from .forward import Forwarder
 from .ledger import Ledger, ledger_path
@@ -65,6 +66,7 @@ class BearerAuth:
                 message = "Unauthorized: a valid 'Authorization: Bearer <key>' header is required"
                 await error(401, message, "Unauthorized")(scope, receive, send)
                 return
+            scope = {**scope, PUBLIC_PORT_SCOPE_KEY: True}  # routes treat operators' calls apart (pause elision)
         await self.app(scope, receive, send)
 
 
@@ -115,6 +117,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     ledger.restore()
     fleet = Fleet(settings, router, ledger, transport, on_eject=metrics.ejections.inc)
     forwarder = Forwarder(fleet, router, metrics, settings.proxy_request_timeout_s, settings.proxy_upstream_token)
+    elision = PauseElision(settings.proxy_sync_pause)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -157,11 +160,16 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         return body if isinstance(body, Response) else await timed("unload", broadcast.unload_adapter(fleet, body))
 
     @app.post("/pause")
-    async def pause(mode: str = "abort") -> Response:
+    async def pause(request: Request, mode: str = "abort") -> Response:
+        if elision.elide_pause(request.scope, mode):
+            metrics.pauses_elided.inc()
+            return JSONResponse({"status": "paused"})
         return await timed("pause", broadcast.pause(fleet, mode))
 
     @app.post("/resume")
-    async def resume() -> Response:
+    async def resume(request: Request) -> Response:
+        if elision.elide_resume(request.scope):
+            return JSONResponse({"status": "resumed"})
         return await timed("resume", broadcast.resume(fleet))
 
     @app.post("/reset_prefix_cache")
@@ -193,7 +201,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         app.add_api_route(path, read_only(path), methods=[method])
 
     @app.get("/is_paused")
-    async def is_paused() -> Response:
+    async def is_paused() -> Response:  # the replicas' own state: an elided pause paused none of them
         ready = fleet.ready()
         if not ready:
             return no_ready_replica(fleet)
@@ -255,6 +263,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             "router": {"mode": router.mode, "block_size": router.block_size, **router.counters,
                        "tracked_blocks": router.tracked_blocks},
             "min_ready": settings.proxy_min_ready,
+            "sync_pause": settings.proxy_sync_pause,
         })
 
     @app.get("/metrics")

@@ -32,5 +32,8 @@ class Metrics:
         self.inflight = Gauge("lorafleet_proxy_replica_inflight", "Requests in flight per replica.", ["replica"],
                               registry=r)
         self.ledger_size = Gauge("lorafleet_proxy_ledger_adapters", "Adapters in the fleet ledger.", registry=r)
+        self.pauses_elided = Counter("lorafleet_proxy_pauses_elided",
+                                     "Keep pauses from the fleet port answered without pausing replicas "
+                                     "(PROXY_SYNC_PAUSE=elide).", registry=r)
         self.ejections = Counter("lorafleet_proxy_ejections", "Replicas ejected after failed health checks.",
                                  registry=r)
