@@ -17,6 +17,7 @@ from fakes import FakeReplica, Running, start_fakes, start_server
 from lorafleet.settings import load_settings
 from lorafleet.vllm_api import metric_total
 from lorafleet_proxy.app import BearerAuth, create_app
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -62,6 +63,12 @@ class Ports:
     async def elided(self) -> float:
         return metric_total((await self.fleet.get("/metrics")).text, "lorafleet_proxy_pauses_elided_total")
 
+    async def held_pauses(self) -> float:
+        """How many broadcast pauses held the replicas until a resume (the pause-held histogram's count)."""
+        text = (await self.fleet.get("/metrics")).text
+        return next(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                    if sample.name == "lorafleet_proxy_pause_held_seconds_count")
+
 
 @pytest.fixture
 async def fakes() -> AsyncIterator[list[FakeReplica]]:
@@ -90,6 +97,7 @@ async def test_trainer_keep_pause_and_its_resume_touch_no_replica(proxy: Ports) 
     assert resumed.status_code == 200 and resumed.json() == {"status": "resumed"}
     assert proxy.calls() == before, "the resume of an elided pause reached a replica"
     assert await proxy.elided() == 1
+    assert await proxy.held_pauses() == 0
 
 
 @pytest.mark.parametrize("mode", ["abort", "wait"])
@@ -102,6 +110,7 @@ async def test_abort_and_wait_pauses_from_the_trainer_are_broadcast(proxy: Ports
     assert [fake.paused for fake in proxy.fakes] == [None, None]
     assert await proxy.is_paused() is False
     assert await proxy.elided() == 0
+    assert await proxy.held_pauses() == 1
 
 
 async def test_keep_pause_on_the_public_port_is_broadcast(proxy: Ports) -> None:

@@ -164,13 +164,19 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         if elision.elide_pause(request.scope, mode):
             metrics.pauses_elided.inc()
             return JSONResponse({"status": "paused"})
-        return await timed("pause", broadcast.pause(fleet, mode))
+        response = await timed("pause", broadcast.pause(fleet, mode))
+        if response.status_code == 200:
+            elision.broadcast_paused()
+        return response
 
     @app.post("/resume")
     async def resume(request: Request) -> Response:
         if elision.elide_resume(request.scope):
             return JSONResponse({"status": "resumed"})
-        return await timed("resume", broadcast.resume(fleet))
+        response = await timed("resume", broadcast.resume(fleet))
+        if (held := elision.broadcast_resumed()) is not None:
+            metrics.pause_held_seconds.observe(held)
+        return response
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:

@@ -35,5 +35,9 @@ class Metrics:
         self.pauses_elided = Counter("lorafleet_proxy_pauses_elided",
                                      "Keep pauses from the fleet port answered without pausing replicas "
                                      "(PROXY_SYNC_PAUSE=elide).", registry=r)
+        self.pause_held_seconds = Histogram("lorafleet_proxy_pause_held_seconds",
+                                            "Time replicas stayed paused, from a broadcast pause to the next resume "
+                                            "(the generation stall a pause costs).", buckets=LATENCY_BUCKETS,
+                                            registry=r)
         self.ejections = Counter("lorafleet_proxy_ejections", "Replicas ejected after failed health checks.",
                                  registry=r)
