@@ -8,11 +8,13 @@ in-memory PEFT adapter to a staging folder and rename it into place, load, resum
 version that fell out of the staleness window, delete the folder before that. It does so once per
 PROXY_SYNC_PAUSE mode (a fresh proxy each), against the same replicas, in one run.
 
-Per sync: the trainer-visible sync time; the generation stall (the longest gap between consecutive
-tokens of any rollout across the sync window, a request's send time counting as its first "token");
-tokens/s inside sync windows vs outside; and publish-to-every-replica-serving latency (adapter folder
-renamed into place -> each replica, asked directly, completes a request naming the new version).
-Control windows of the same length just before each sync give the gap the box shows without a sync.
+Per sync: the trainer-visible sync time; the generation stall (the longest time a replica streamed no
+token to any rollout across the sync window: its rollouts' token times merged, per the proxy's
+X-Proxy-Upstream header); the longest gap between consecutive tokens of one rollout (its send time
+counting as its first token, so its wait for prefill counts too); tokens/s inside sync windows vs
+outside; and publish-to-every-replica-serving latency (adapter folder renamed into place -> each
+replica, asked directly, completes a request naming the new version). Control windows of the same
+length just before each sync give the same figures without a sync (the box's own noise).
 
     .venv/bin/python bench/sync_bench.py --out results/bench-sync.json
 """
@@ -38,12 +40,13 @@ from lorafleet.processes import Service, proxy_service, replica_service, wait_he
 from lorafleet.vllm_api import metric_total
 
 MODES = ("broadcast", "elide")
+UPSTREAM_HEADER = "X-Proxy-Upstream"  # the replica the proxy routed a request to
 RUN = "bench"
 
 
 # --- the rollout stream (child process, like TRL's rollout worker) -----------------------------------
 def stream_main(proxy_url: str, version: Any, stop: Any, out: str, args: dict[str, Any]) -> None:
-    """Keep `concurrency` streaming rollouts in flight until `stop`; write [[model, sent, t1, t2, ...]] to `out`."""
+    """Keep `concurrency` streaming rollouts in flight until `stop`; write [[replica, sent, t1, t2, ...]] to `out`."""
     records = asyncio.run(_stream(proxy_url, version, stop, args))
     Path(out).write_text(json.dumps(records))
 
@@ -60,10 +63,11 @@ async def _stream(proxy_url: str, version: Any, stop: Any, args: dict[str, Any])
                 prompt = [rng.randrange(3, 900) for _ in range(args["prompt_tokens"])]
                 body = {"model": model, "prompt": prompt, "max_tokens": args["max_tokens"], "temperature": 1.0,
                         "ignore_eos": True, "stream": True, "seed": rng.randrange(2**31)}
-                record: list[Any] = [model, time.monotonic()]
+                sent = time.monotonic()
                 async with client.stream("POST", "/v1/completions", json=body) as response:
                     if response.status_code != 200:
                         raise RuntimeError(f"rollout failed {response.status_code}: {await response.aread()!r}")
+                    record: list[Any] = [response.headers.get(UPSTREAM_HEADER, "?"), sent]
                     async for line in response.aiter_lines():
                         if line.startswith("data: ") and line != "data: [DONE]":
                             record.append(time.monotonic())
@@ -109,7 +113,7 @@ async def serving_at(replica_url: str, name: str, deadline: float) -> float:
                                                                    "max_tokens": 1})
             if response.status_code == 200:
                 return time.monotonic()
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.02)
     raise TimeoutError(f"{replica_url} never served {name}")
 
 
@@ -145,6 +149,7 @@ async def run_phase(proxy_url: str, publisher: Publisher, root: Path, replicas: 
     syncs: list[dict[str, float]] = []
     async with httpx.AsyncClient(base_url=proxy_url, timeout=120) as client:
         await sync_once(client, publisher, root, replicas, 1, args.max_staleness)
+        cold = metric_total((await client.get("/metrics")).text, "lorafleet_proxy_pauses_elided_total")
         version.value = 1
         stream.start()
         await asyncio.sleep(args.warmup_s)
@@ -154,7 +159,7 @@ async def run_phase(proxy_url: str, publisher: Publisher, root: Path, replicas: 
             version.value = number
             await asyncio.sleep(args.interval_s)
         ended = time.monotonic()
-        elided = metric_total((await client.get("/metrics")).text, "lorafleet_proxy_pauses_elided_total")
+        elided = metric_total((await client.get("/metrics")).text, "lorafleet_proxy_pauses_elided_total") - cold
     return syncs, began, ended, elided
 
 
@@ -165,15 +170,27 @@ async def unload_all(proxy_url: str) -> None:
 
 
 # --- analysis ------------------------------------------------------------------------------------------
-def longest_gap(records: list[list[Any]], start: float, end: float) -> float:
-    """Longest gap between consecutive tokens (send time first) of any rollout that overlaps [start, end]."""
+def _longest(series: list[list[float]], start: float, end: float) -> float:
     longest = 0.0
-    for record in records:
-        times = record[1:]
+    for times in series:
         for earlier, later in itertools.pairwise(times):
             if later >= start and earlier <= end:
                 longest = max(longest, later - earlier)
     return longest
+
+
+def rollout_gap(records: list[list[Any]], start: float, end: float) -> float:
+    """Longest gap between consecutive tokens (send time first) of one rollout, over those overlapping the window."""
+    return _longest([record[1:] for record in records], start, end)
+
+
+def replica_silence(records: list[list[Any]], start: float, end: float) -> float:
+    """Longest time a replica streamed no token to anyone (its rollouts' tokens merged) across the window:
+    the generation stall. A rollout's own gaps also include its wait for prefill and its neighbours' tokens."""
+    merged: dict[str, list[float]] = {}
+    for record in records:
+        merged.setdefault(record[0], []).extend(record[2:])
+    return _longest([sorted(times) for times in merged.values()], start, end)
 
 
 def tokens_in(records: list[list[Any]], windows: list[tuple[float, float]]) -> int:
@@ -200,8 +217,10 @@ def measure(syncs: list[dict[str, float]], records: list[list[Any]], began: floa
             "save_s": marks["published"] - marks["paused"],
             "load_s": marks["loaded"] - marks["published"],
             "resume_s": marks["resumed"] - marks["loaded"],
-            "stall_s": longest_gap(records, marks["start"], marks["end"]),
-            "control_gap_s": longest_gap(records, *control),
+            "stall_s": replica_silence(records, marks["start"], marks["end"]),
+            "control_stall_s": replica_silence(records, *control),
+            "rollout_gap_s": rollout_gap(records, marks["start"], marks["end"]),
+            "control_rollout_gap_s": rollout_gap(records, *control),
             "publish_to_serving_s": marks["serving"] - marks["published"],
         })
         previous_end = marks["end"]
@@ -229,7 +248,8 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
         "rollouts": int(total("rollouts")),
         "pauses_elided": total("pauses_elided"),
         **{key: stats(key) for key in ("sync_s", "pause_s", "save_s", "load_s", "resume_s", "stall_s",
-                                       "control_gap_s", "publish_to_serving_s")},
+                                       "control_stall_s", "rollout_gap_s", "control_rollout_gap_s",
+                                       "publish_to_serving_s")},
         "tokens_per_s_in_sync": total("sync_tokens") / total("sync_s_total"),
         "tokens_per_s_outside_sync": total("other_tokens") / total("other_s_total"),
         "per_sync": per_sync,
@@ -368,17 +388,20 @@ def table(modes: dict[str, dict[str, Any]]) -> str:
     def ms(value: float) -> str:
         return f"{1000 * value:.0f}"
 
-    lines = ["| PROXY_SYNC_PAUSE | sync p50 / p95 (ms) | stall p50 / p95 / max (ms) | gap without sync p50 (ms) "
-             "| tokens/s in sync / outside | publish→all serving p50 / p95 (ms) | pauses elided |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| PROXY_SYNC_PAUSE | sync p50 / p95 (ms) | stall p50 / p95 / max (ms) | same, no sync p50 (ms) "
+             "| rollout gap p50 in sync, no sync (ms) | tokens/s in sync / outside "
+             "| publish→all serving p50 / p95 (ms) "
+             "| pauses elided |",
+             "|---|---|---|---|---|---|---|---|"]
     for mode, s in modes.items():
         lines.append(
             f"| `{mode}` | {ms(s['sync_s']['p50'])} / {ms(s['sync_s']['p95'])} "
             f"| {ms(s['stall_s']['p50'])} / {ms(s['stall_s']['p95'])} / {ms(s['stall_s']['max'])} "
-            f"| {ms(s['control_gap_s']['p50'])} "
+            f"| {ms(s['control_stall_s']['p50'])} "
+            f"| {ms(s['rollout_gap_s']['p50'])}, {ms(s['control_rollout_gap_s']['p50'])} "
             f"| {s['tokens_per_s_in_sync']:.0f} / {s['tokens_per_s_outside_sync']:.0f} "
             f"| {ms(s['publish_to_serving_s']['p50'])} / {ms(s['publish_to_serving_s']['p95'])} "
-            f"| {s['pauses_elided'] - s['phases']:.0f} / {s['syncs']} |")  # less each phase's cold sync
+            f"| {s['pauses_elided']:.0f} / {s['syncs']} |")
     return "\n".join(lines)
 
 
