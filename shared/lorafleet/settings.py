@@ -148,6 +148,10 @@ class Settings(BaseSettings):
     proxy_max_body_bytes: int = Field(
         32 * 1024 * 1024, ge=1024, description="Largest request body the proxy accepts on any route (413 above)."
     )
+    proxy_sync_pause: Literal["elide", "broadcast"] = Field(
+        "elide",
+        description="elide: a keep pause on the fleet port (trainer sync) pauses no replica; broadcast: it does.",
+    )
 
     # --- trainer ----------------------------------------------------------------------------
     trainer_recipe: Literal["math", "tiny", "jsonl"] = Field(

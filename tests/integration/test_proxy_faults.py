@@ -168,6 +168,7 @@ async def test_unsafe_paths_and_names_are_400_and_nothing_is_sent(fleet: Fleet, 
     assert all(fake.loads() == [] for fake in fleet.fakes)
 
 
+@pytest.mark.parametrize("fleet", [(2, {"proxy_sync_pause": "broadcast"})], indirect=True)
 async def test_partial_pause_is_compensated_and_mode_is_kept(fleet: Fleet) -> None:
     fleet.fakes[1].faults.pause_fails = True
     response = await fleet.http.post("/pause", params={"mode": "keep"})
@@ -186,7 +187,8 @@ async def test_partial_pause_is_compensated_and_mode_is_kept(fleet: Fleet) -> No
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "query.mode"
 
 
-@pytest.mark.parametrize("fleet", [(2, {"proxy_health_interval_s": 60.0})], indirect=True)
+@pytest.mark.parametrize("fleet", [(2, {"proxy_health_interval_s": 60.0, "proxy_sync_pause": "broadcast"})],
+                         indirect=True)
 async def test_a_replica_dead_during_a_sync_is_ejected_and_the_sync_succeeds(fleet: Fleet) -> None:
     """A replica killed between health checks must not fail the trainer's pause/load/resume/unload."""
     await fleet.load("trl-policy-v1")

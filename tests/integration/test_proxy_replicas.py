@@ -100,10 +100,17 @@ async def test_broadcast_load_pause_resume_unload(proxy: Proxy, make_adapter: Ca
     tuned, base = await logprobs(proxy, "pxy-a-v1"), await logprobs(proxy, str(tiny_model))
     assert tuned != base, "the adapter was not applied"
 
+    # The trainer's keep pause is elided (PROXY_SYNC_PAUSE=elide, the default): no replica stops generating.
     assert (await proxy.post("/pause", params={"mode": "keep"})).json() == {"status": "paused"}
+    assert (await proxy.http.get("/is_paused")).json() == {"is_paused": False}
+    assert (await logprobs(proxy, "pxy-a-v1")) == tuned, "a replica stopped serving during an elided pause"
+    assert (await proxy.post("/resume")).json() == {"status": "resumed"}
+    # A wait pause is always broadcast.
+    assert (await proxy.post("/pause", params={"mode": "wait"})).json() == {"status": "paused"}
     for url in urls:
         async with VLLMClient(url) as client:
             assert await client.is_paused()
+    assert (await proxy.http.get("/is_paused")).json() == {"is_paused": True}
     assert (await proxy.post("/resume")).json() == {"status": "resumed"}
     for url in urls:
         async with VLLMClient(url) as client:

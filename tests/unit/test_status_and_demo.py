@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from lorafleet.commands import demo
-from lorafleet.commands.demo import build_report, progress_line, summary
+from lorafleet.commands.demo import build_report, progress_line, summary, sync_lines, sync_report
 from lorafleet.commands.status import adapter_span, read_metrics, render_status
 
 FLEET = {
@@ -81,3 +81,26 @@ def test_demo_exits_non_zero_and_loudly_on_a_doctor_fail(monkeypatch, capsys, tm
     assert demo.main(demo.DemoOptions(out=tmp_path)) == code
     err = capsys.readouterr().err
     assert ("lorafleet demo FAILED" in err and "broadcasts, ratio" in err) if failed else err == ""
+def _proxy_metrics() -> str:
+    """The proxy's real /metrics text after 7 elided syncs, one 20 ms broadcast pause and 11 loads of 50 ms."""
+    from lorafleet_proxy.metrics import Metrics
+    from prometheus_client import generate_latest
+
+    metrics = Metrics()
+    metrics.pauses_elided.inc(7)
+    metrics.pause_held_seconds.observe(0.02)
+    for _ in range(11):
+        metrics.broadcast_seconds.labels("load").observe(0.05)
+    metrics.broadcast_seconds.labels("pause").observe(9.0)
+    return generate_latest(metrics.registry).decode()
+
+
+def test_sync_report_bounds_the_stall_by_paused_time_plus_elided_loads():
+    metrics = [{"step": s, "time": 1000.0 + 3 * s, "reward": 0.1} for s in range(1, 11)]
+    sync = sync_report(_proxy_metrics(), {**FLEET, "sync_pause": "elide"}, 6000.0, metrics, trainer_s=60.0)
+    assert sync["syncs"] == 7  # the newest version in the ledger: TRL numbers syncs from v1
+    assert sync["paused_per_sync_s"] == 0.02 / 7
+    assert sync["load_per_sync_s"] == pytest.approx(0.05)
+    assert sync["stall_per_sync_s"] == pytest.approx(0.02 / 7 + 0.05)  # all elided: each may stall for its load
+    assert sync["generated_tokens_per_s"] == 100.0 and sync["steps_per_minute"] == 20.0
+    assert "7 of 7 pauses elided" in "\n".join(sync_lines(sync))

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import broadcast
 from .broadcast import error, no_ready_replica, relay
+from .elision import PUBLIC_PORT_SCOPE_KEY, PauseElision
 from .fleet import Fleet, State
 from .forward import Forwarder
 from .generation import ROUTES, GenerationFront, Upstreams
@@ -74,6 +75,7 @@ class BearerAuth:
                 message = "Unauthorized: a valid 'Authorization: Bearer <key>' header is required"
                 await error(401, message, "Unauthorized")(scope, receive, send)
                 return
+            scope = {**scope, PUBLIC_PORT_SCOPE_KEY: True}  # routes treat operators' calls apart (pause elision)
         await self.app(scope, receive, send)
 
 
@@ -115,6 +117,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     fleet = Fleet(settings, router, ledger, transport, metrics)
     forwarder = Forwarder(fleet, metrics, settings.proxy_request_timeout_s, settings.proxy_upstream_token)
     upstreams = Upstreams(settings.proxy_request_timeout_s)
+    elision = PauseElision(settings.proxy_sync_pause)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -156,12 +159,23 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         return await timed("unload", broadcast.unload_adapter(fleet, body.model_dump()))
 
     @app.post("/pause")
-    async def pause(mode: PauseMode = "abort") -> Response:
-        return await timed("pause", broadcast.pause(fleet, mode))
+    async def pause(request: Request, mode: PauseMode = "abort") -> Response:
+        if elision.elide_pause(request.scope, mode):
+            metrics.pauses_elided.inc()
+            return JSONResponse({"status": "paused"})
+        response = await timed("pause", broadcast.pause(fleet, mode))
+        if response.status_code == 200:
+            elision.broadcast_paused()
+        return response
 
     @app.post("/resume")
-    async def resume() -> Response:
-        return await timed("resume", broadcast.resume(fleet))
+    async def resume(request: Request) -> Response:
+        if elision.elide_resume(request.scope):
+            return JSONResponse({"status": "resumed"})
+        response = await timed("resume", broadcast.resume(fleet))
+        if (held := elision.broadcast_resumed()) is not None:
+            metrics.pause_held_seconds.observe(held)
+        return response
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(query: Annotated[ResetPrefixCacheQuery, Query()]) -> Response:
@@ -194,7 +208,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         app.add_api_route(path, read_only(path), methods=[method])
 
     @app.get("/is_paused")
-    async def is_paused() -> Response:
+    async def is_paused() -> Response:  # the replicas' own state: an elided pause paused none of them
         ready = fleet.ready()
         if not ready:
             return no_ready_replica(fleet)
@@ -260,6 +274,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             "router": {"mode": router.mode, "block_size": router.block_size, **router.counters,
                        "tracked_blocks": router.tracked_blocks},
             "min_ready": settings.proxy_min_ready,
+            "sync_pause": settings.proxy_sync_pause,
         })
 
     @app.get("/metrics")

@@ -32,6 +32,13 @@ class Metrics:
         self.inflight = Gauge("lorafleet_proxy_replica_inflight", "Requests in flight per replica.", ["replica"],
                               registry=r)
         self.ledger_size = Gauge("lorafleet_proxy_ledger_adapters", "Adapters in the fleet ledger.", registry=r)
+        self.pauses_elided = Counter("lorafleet_proxy_pauses_elided",
+                                     "Keep pauses from the fleet port answered without pausing replicas "
+                                     "(PROXY_SYNC_PAUSE=elide).", registry=r)
+        self.pause_held_seconds = Histogram("lorafleet_proxy_pause_held_seconds",
+                                            "Time replicas stayed paused, from a broadcast pause to the next resume "
+                                            "(the generation stall a pause costs).", buckets=LATENCY_BUCKETS,
+                                            registry=r)
         self.ejections = Counter("lorafleet_proxy_ejections", "Replicas ejected after failed health checks.",
                                  registry=r)
         self.loop_errors = Counter("lorafleet_proxy_loop_errors", "Unexpected errors survived by the supervised "

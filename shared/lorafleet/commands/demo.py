@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from lorafleet.adapters import metrics_path
+from lorafleet.adapters import metrics_path, policy_version
 from lorafleet.commands.status import adapter_span, fmt, latest, read_metrics
 from lorafleet.processes import Service, proxy_service, replica_service, trainer_service, wait_healthy
 from lorafleet.vllm_api import metric_total
@@ -118,6 +118,56 @@ def build_report(metrics: list[dict[str, Any]], fleet: dict[str, Any], cache: di
     }
 
 
+# --- weight-sync cost: what each adapter publish cost generation (PROXY_SYNC_PAUSE) ----------------------
+def _sample(text: str, name: str, **labels: str) -> float:
+    """Sum of the Prometheus samples called `name` whose labels include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and all(sample.labels.get(key) == value for key, value in labels.items()))
+
+
+def sync_report(proxy_metrics: str, fleet: dict[str, Any], generated_tokens: float, metrics: list[dict[str, Any]],
+                trainer_s: float) -> dict[str, Any]:
+    """Per sync, from the proxy's /metrics: how long the replicas stayed paused, how long the adapter load took,
+    and the stall that bounds: paused time, plus the load for an elided sync (the engine loads between steps).
+    Also generated tokens/s (the replicas' counters over the trainer's run) and steps per minute."""
+    syncs = max((policy_version(entry["name"]) or 0 for entry in fleet.get("ledger", [])), default=0)
+    elided = metric_total(proxy_metrics, "lorafleet_proxy_pauses_elided_total")
+    loads = _sample(proxy_metrics, "lorafleet_proxy_broadcast_duration_seconds_count", op="load")
+    load_s = _sample(proxy_metrics, "lorafleet_proxy_broadcast_duration_seconds_sum", op="load") / max(loads, 1)
+    paused_s = _sample(proxy_metrics, "lorafleet_proxy_pause_held_seconds_sum") / syncs if syncs else None
+    timed = [(row["step"], row["time"]) for row in metrics if "reward" in row and "time" in row]
+    span = timed[-1][1] - timed[0][1] if len(timed) > 1 else 0.0
+    return {
+        "mode": fleet.get("sync_pause"),
+        "syncs": syncs,
+        "pauses_elided": elided,
+        "paused_per_sync_s": paused_s,
+        "load_per_sync_s": load_s,
+        "stall_per_sync_s": None if paused_s is None else paused_s + min(elided / syncs, 1.0) * load_s,
+        "generated_tokens_per_s": generated_tokens / trainer_s if trainer_s else None,
+        "steps_per_minute": 60 * (timed[-1][0] - timed[0][0]) / span if span else None,
+        "trainer_s": round(trainer_s, 1),
+    }
+
+
+def generated_tokens(urls: list[str]) -> float:
+    """Tokens the replicas generated (their own vllm:generation_tokens counters)."""
+    return sum(metric_total(httpx.get(url + "/metrics", timeout=10).text, "vllm:generation_tokens_total")
+               for url in urls)
+
+
+def sync_lines(sync: dict[str, Any]) -> list[str]:
+    return [
+        f"weight sync stall (PROXY_SYNC_PAUSE={sync['mode']}): at most {fmt(sync['stall_per_sync_s'], '.3f')}s per "
+        f"sync (replicas paused {fmt(sync['paused_per_sync_s'], '.3f')}s, adapter load {sync['load_per_sync_s']:.3f}s;"
+        f" {sync['pauses_elided']:.0f} of {sync['syncs']} pauses elided)",
+        f"generation {fmt(sync['generated_tokens_per_s'], '.0f')} tokens/s; {fmt(sync['steps_per_minute'], '.1f')} "
+        f"steps/min; trainer ran {sync['trainer_s']:.0f}s",
+    ]
+
+
 def plot_report(metrics: list[dict[str, Any]], path: Path) -> None:
     """Reward and weight-sync latency per step, one PNG."""
     import matplotlib
@@ -173,6 +223,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         trainer = trainer_service("trainer", {**common, "TRAINER_RECIPE": "tiny", "TRAINER_VLLM_URL": proxy.url,
                                               "MAX_STEPS": str(options.steps)}, logs)
         started.append(trainer.start())
+        trainer_began = time.monotonic()
         metrics_file = metrics_path(adapter_root, "demo")
         fleet: dict[str, Any] = {}
         with httpx.Client(timeout=10) as client:
@@ -181,12 +232,16 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
                 fleet = client.get(proxy.url + "/fleet").json()
                 _say(progress_line(time.monotonic() - begin, options.steps, read_metrics(metrics_file), fleet))
             fleet = client.get(proxy.url + "/fleet").json()
+            trainer_s = time.monotonic() - trainer_began
+            proxy_metrics = client.get(proxy.url + "/metrics").text
         assert trainer.process is not None
         if trainer.process.returncode != 0:
             raise RuntimeError(f"the trainer failed (exit {trainer.process.returncode}):\n{trainer.log_tail(60)}")
         metrics = read_metrics(metrics_file)
         report = build_report(metrics, fleet, replica_cache_stats([r.url for r in replicas]),
                               time.monotonic() - begin)
+        report["sync"] = sync_report(proxy_metrics, fleet, generated_tokens([r.url for r in replicas]), metrics,
+                                     trainer_s)
         _say("==> lorafleet doctor against the demo fleet")
         report["doctor"], report["doctor_failed"] = doctor_table(common, proxy.url)
         out.mkdir(parents=True, exist_ok=True)
@@ -230,6 +285,8 @@ def summary(report: dict[str, Any]) -> str:
         f"adapters in the ledger: {adapter_span(report['adapters']['ledger'])}",
     ]
     lines += [f"  {url}: {adapter_span(names)}" for url, names in report["adapters"]["loaded_on"].items()]
+    if "sync" in report:
+        lines += sync_lines(report["sync"])
     if "doctor" in report:
         lines += ["", "doctor:", report["doctor"]]
     return "\n".join(lines)

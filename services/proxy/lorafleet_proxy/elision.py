@@ -1,0 +1,55 @@
+"""Pause elision: the trainer's `keep` pause around an adapter load is answered without pausing replicas.
+
+With versioned adapter names (`trl-policy-vN`) a sync never changes the weights behind a name in use:
+rollouts in flight keep naming their version and TRL accounts for their staleness, so pausing the
+fleet for the save + load protects nothing and only stalls generation. Under PROXY_SYNC_PAUSE=elide
+a `keep` pause from the fleet port (the trainer's) and the resume that follows it touch no replica.
+`abort`/`wait` pauses and everything on the public port (operators) are still broadcast.
+"""
+
+from __future__ import annotations
+
+import time
+
+from starlette.types import Scope
+
+# BearerAuth sets this key in the scope of every request that came in on the public port.
+PUBLIC_PORT_SCOPE_KEY = "lorafleet.public_port"
+
+
+def on_public_port(scope: Scope) -> bool:
+    return bool(scope.get(PUBLIC_PORT_SCOPE_KEY))
+
+
+class PauseElision:
+    """Decides, per request, whether a pause or resume is elided; remembers an elided pause until its resume.
+
+    It also times how long a broadcast pause held the replicas (until the next resume): the generation
+    stall a sync costs when it is not elided.
+    """
+
+    def __init__(self, mode: str) -> None:
+        self.enabled = mode == "elide"
+        self.pending = False  # a keep pause was elided and its resume has not come yet
+        self.held_since: float | None = None  # when a broadcast pause succeeded, until the next resume
+
+    def elide_pause(self, scope: Scope, mode: str) -> bool:
+        # A broadcast pause clears an earlier elided one: the resume that follows must reach the replicas.
+        self.pending = self.enabled and mode == "keep" and not on_public_port(scope)
+        return self.pending
+
+    def elide_resume(self, scope: Scope) -> bool:
+        """Only the fleet port's resume after an elided pause; any other resume is broadcast."""
+        if self.pending and not on_public_port(scope):
+            self.pending = False
+            return True
+        return False
+
+    def broadcast_paused(self) -> None:
+        if self.held_since is None:
+            self.held_since = time.monotonic()
+
+    def broadcast_resumed(self) -> float | None:
+        """Seconds the replicas were held paused, or None when they were not."""
+        held, self.held_since = self.held_since, None
+        return None if held is None else time.monotonic() - held
