@@ -120,7 +120,16 @@ class Settings(BaseSettings):
     )
     proxy_min_ready: int = Field(1, ge=1, description="Ready replicas needed for the proxy's /health to be 200.")
     proxy_health_interval_s: float = Field(2.0, gt=0, description="Seconds between health checks of each replica.")
-    proxy_eject_after: int = Field(2, ge=1, description="Consecutive failed health checks that eject a replica.")
+    proxy_eject_after: int = Field(
+        2, ge=1, description="Consecutive failed health checks (bad status, malformed answer) that eject a replica."
+    )
+    proxy_health_timeout_s: float = Field(5.0, gt=0, description="Timeout of one replica health check.")
+    proxy_eject_slow_after_s: float = Field(
+        30.0, gt=0, description="Health checks timing out for this long eject a replica (refused/reset: at once)."
+    )
+    proxy_sync_backoff_max_s: float = Field(
+        30.0, gt=0, description="Longest wait before retrying a replica whose catch-up sync keeps failing."
+    )
     proxy_dns_interval_s: float = Field(5.0, gt=0, description="Seconds between DNS re-resolutions of replicas.")
     proxy_request_timeout_s: float = Field(
         900.0, gt=0, description="Read timeout of one routed request to a replica."

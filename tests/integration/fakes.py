@@ -20,6 +20,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from lorafleet.ledger_file import fingerprint
 from lorafleet.processes import free_port
 from lorafleet.vllm_api import error_body
 
@@ -40,6 +41,8 @@ class Faults:
     latency_s: float = 0.0  # added to every completion
     latency_jitter_s: float = 0.0  # plus a uniform random part (completions of different lengths)
     healthy: bool = True
+    hung: bool = False  # every request waits until this is cleared (a replica stuck in a long step)
+    malformed_models: bool = False  # /v1/models answers 200 with cards that lack their fields
 
 
 @dataclass
@@ -51,6 +54,7 @@ class FakeReplica:
     max_model_len: int = 512
     faults: Faults = field(default_factory=Faults)
     adapters: dict[str, str] = field(default_factory=dict)
+    fingerprints: dict[str, str] = field(default_factory=dict)  # content of each adapter when it was loaded
     paused: str | None = None
     calls: list[tuple[str, Any]] = field(default_factory=list)  # (path, payload) of every state-changing call
     completions: int = 0
@@ -62,8 +66,21 @@ class FakeReplica:
     def loads(self) -> list[str]:
         return [payload["lora_name"] for path, payload in self.calls if path == "/v1/load_lora_adapter"]
 
+    def restart(self) -> None:
+        """What a restarted vLLM holds: nothing loaded, not paused, a cold cache."""
+        self.adapters.clear()
+        self.fingerprints.clear()
+        self.paused = None
+        self.cached_blocks.clear()
+
     def app(self) -> FastAPI:
         app = FastAPI()
+
+        @app.middleware("http")
+        async def hang(request: Request, call_next: Any) -> Response:
+            while self.faults.hung:
+                await asyncio.sleep(0.01)
+            return await call_next(request)
 
         @app.get("/health")
         async def health() -> Response:
@@ -81,6 +98,8 @@ class FakeReplica:
 
         @app.get("/v1/models")
         async def models() -> Response:
+            if self.faults.malformed_models:
+                return JSONResponse({"object": "list", "data": [{"object": "model"}]})
             data = [{"id": self.base_model, "object": "model", "created": 0, "owned_by": "vllm",
                      "root": self.base_model, "parent": None, "max_model_len": self.max_model_len, "permission": []}]
             data += [{"id": name, "object": "model", "created": 0, "owned_by": "vllm", "root": path,
@@ -102,12 +121,14 @@ class FakeReplica:
                 return vllm_error(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                   "adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
             self.adapters[name] = path
+            self.fingerprints[name] = fingerprint(path)  # vLLM reads the files during the call
             return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
         @app.post("/v1/unload_lora_adapter")
         async def unload(request: Request) -> Response:
             body = await request.json()
             self.calls.append(("/v1/unload_lora_adapter", body))
+            self.fingerprints.pop(body["lora_name"], None)
             if self.adapters.pop(body["lora_name"], None) is None:
                 return vllm_error(404, f"The lora adapter '{body['lora_name']}' cannot be found.", "NotFoundError")
             return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
@@ -151,7 +172,8 @@ class FakeReplica:
                       "model": model, "choices": [{"index": 0, "text": " fake", "token_ids": [7, 8, 9],
                                                    "logprobs": {"token_logprobs": [-0.5, -0.25, -0.125]},
                                                    "finish_reason": "length", "stop_reason": None}],
-                      "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}, "served_by": self.url}
+                      "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}, "served_by": self.url,
+                      "served_fingerprint": self.fingerprints.get(model, "")}
             if self.faults.die_mid_request:
                 return StreamingResponse(_broken_body(json.dumps(answer)), media_type="application/json")
             if body.get("stream"):

@@ -78,7 +78,8 @@ async def test_load_is_broadcast_idempotent_and_persisted(fleet: Fleet) -> None:
     assert all(fake.loads() == ["trl-policy-v1"] for fake in fleet.fakes), "an idempotent re-load reached replicas"
 
     ledger = json.loads((fleet.root / ".fleet" / "proxy-ledger.json").read_text())
-    assert ledger == {"version": 1, "adapters": [{"name": "trl-policy-v1", "path": fleet.adapter("trl-policy-v1")}]}
+    assert ledger == {"version": 2, "paused": None, "adapters": [
+        {"name": "trl-policy-v1", "path": fleet.adapter("trl-policy-v1"), "fingerprint": ""}]}
     view = await fleet.fleet()
     assert view["ledger"] == ledger["adapters"]
     assert all(r["adapters"] == {"trl-policy-v1": fleet.adapter("trl-policy-v1")} for r in view["replicas"])
@@ -133,7 +134,8 @@ async def test_same_name_new_path_unloads_resets_caches_then_loads(fleet: Fleet)
         assert [path for path, _ in fake.calls] == ["/resume", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
                                                     "/reset_prefix_cache", "/v1/load_lora_adapter"]
         assert fake.adapters == {"trl-policy-v1": fleet.adapter("new-run-v1")}
-    assert (await fleet.fleet())["ledger"] == [{"name": "trl-policy-v1", "path": fleet.adapter("new-run-v1")}]
+    assert (await fleet.fleet())["ledger"] == [{"name": "trl-policy-v1", "path": fleet.adapter("new-run-v1"),
+                                                "fingerprint": ""}]
 
 
 async def test_unsafe_paths_and_names_are_400_and_nothing_is_sent(fleet: Fleet, tmp_path: Path) -> None:

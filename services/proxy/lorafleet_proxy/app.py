@@ -113,7 +113,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                     settings.proxy_block_size or DEFAULT_BLOCK_SIZE)
     ledger = Ledger(ledger_path(settings.adapter_root), settings.adapter_root)
     ledger.restore()
-    fleet = Fleet(settings, router, ledger, transport, on_eject=metrics.ejections.inc)
+    fleet = Fleet(settings, router, ledger, transport, metrics)
     forwarder = Forwarder(fleet, router, metrics, settings.proxy_request_timeout_s, settings.proxy_upstream_token)
 
     @asynccontextmanager
@@ -233,7 +233,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         adapters = [cards.get(name) or {"id": name, "object": "model", "created": int(time.time()),
                                         "owned_by": "vllm", "root": path, "parent": parent, "max_model_len": None,
                                         "permission": []}
-                    for name, path in ledger.entries().items()]
+                    for name, path in ledger.paths().items()]
         return JSONResponse({"object": "list", "data": base + adapters})
 
     # --- the proxy's own endpoints ---------------------------------------------------------------
@@ -251,7 +251,11 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     async def fleet_view() -> Response:
         return JSONResponse({
             "replicas": [replica.as_json() for replica in fleet.replicas.values()],
-            "ledger": [{"name": name, "path": path} for name, path in ledger.entries().items()],
+            "ledger": [{"name": name, "path": entry.path, "fingerprint": entry.fingerprint}
+                       for name, entry in ledger.entries().items()],
+            "paused": ledger.paused,
+            "ledger_rebuilding": ledger.rebuilding,
+            "loops_alive": fleet.loops_alive(),
             "router": {"mode": router.mode, "block_size": router.block_size, **router.counters,
                        "tracked_blocks": router.tracked_blocks},
             "min_ready": settings.proxy_min_ready,

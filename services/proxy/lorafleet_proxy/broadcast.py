@@ -3,6 +3,11 @@
 Each operation holds the fleet lock, so broadcasts never interleave with each other or with a
 replica's final sync check. The ledger is the truth replicas converge to: a replica that fails to
 undo or apply a change is taken out of traffic and re-synced rather than left inconsistent.
+
+Every change is acknowledged only once the ledger holds it on disk (`Ledger.commit`). When that
+write fails the replicas are put back as they were and the client gets a 500 naming the cause.
+Load, pause and resume change the replicas first and then the ledger; unload (and the unload half
+of a rebind) changes the ledger first, so a write failure there leaves the replicas untouched.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from lorafleet.adapters import AdapterNameError, AdapterPathError, check_adapter_name, confine
+from lorafleet.ledger_file import Entry, LedgerState, fingerprint
 from lorafleet.vllm_api import VLLMError, VLLMUnreachable, error_body
 
-from .fleet import Fleet, Replica, load_until
+from .fleet import Fleet, Replica, State
+from .ledger import LedgerWriteError
+from .sync import load_until
 
 log = logging.getLogger("lorafleet.proxy.broadcast")
 
@@ -69,13 +77,31 @@ def _failures(results: list[tuple[Replica, Any]]) -> list[tuple[Replica, VLLMErr
     return [(replica, result) for replica, result in results if isinstance(result, VLLMError)]
 
 
-def _forget(fleet: Fleet, name: str, targets: list[Replica]) -> bool:
-    """Drop `name` from the ledger, the router and the replicas' views; True when the ledger had it."""
-    in_ledger = fleet.ledger.remove(name)
+def _forget(fleet: Fleet, name: str, replicas: list[Replica]) -> None:
+    """`name` is gone from these replicas: drop it from the router and from their views."""
     fleet.router.drop_adapter(name)
-    for replica in targets:
+    for replica in replicas:
         replica.adapters.pop(name, None)
-    return in_ledger
+        replica.held.pop(name, None)
+
+
+def _commit(fleet: Fleet, state: LedgerState) -> LedgerWriteError | None:
+    """Persist `state` as the ledger; the error (counted) when it could not be written."""
+    try:
+        fleet.ledger.commit(state)
+    except LedgerWriteError as exc:
+        fleet.metrics.ledger_write_failures.inc()
+        return exc
+    return None
+
+
+def ledger_failed(exc: LedgerWriteError, undone: str) -> JSONResponse:
+    return error(500, f"{exc}; {undone}", "LedgerWriteError")
+
+
+def rebuilding(fleet: Fleet) -> JSONResponse:
+    return error(503, f"the fleet ledger is being rebuilt from the replicas (the file was unusable: "
+                 f"{fleet.ledger.unreadable_reason}); retry once a replica answers", "ServiceUnavailable")
 
 
 # --- load ------------------------------------------------------------------------------------------
@@ -96,34 +122,52 @@ def _check_load_request(fleet: Fleet, body: dict[str, Any]) -> tuple[str, str] |
 
 
 async def load_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
-    """All-or-nothing load; idempotent for the same path; a new path under a known name is a new run."""
+    """All-or-nothing load; idempotent for the same path and content; a new path or new content under a
+    known name is a rebind (unload everywhere, reset prefix caches, load), never "already loaded"."""
     checked = _check_load_request(fleet, body)
     if isinstance(checked, JSONResponse):
         return checked
     name, path = checked
+    entry = Entry(path, await asyncio.to_thread(fingerprint, path))
     async with fleet.broadcasting():
+        if fleet.ledger.rebuilding:
+            return rebuilding(fleet)
         targets = fleet.ready()
         if not targets:
             return no_ready_replica(fleet)
         known = fleet.ledger.get(name)
-        if (known is not None and known != path) or any(r.adapters.get(name, path) != path for r in targets):
+        if (known is not None and not _same(known, entry)) or any(
+                name in r.held and not r.holds(name, entry) for r in targets):
             rebound = await _rebind(fleet, name, targets)
             if rebound is not None:
                 return rebound
-        todo = [replica for replica in targets if replica.adapters.get(name) != path]
+        todo = [replica for replica in targets if not replica.holds(name, entry)]
         deadline = time.monotonic() + fleet.settings.proxy_lora_load_timeout_s
         results = await _each(fleet, todo, lambda replica: _load_one(replica, name, path, deadline))
+        loaded = [replica for replica, result in results if not isinstance(result, VLLMError)]
         failed = _failures(results)
         if failed:
-            return await _roll_back(fleet, name, [r for r, result in results if not isinstance(result, VLLMError)],
-                                    failed, len(targets))
-        for replica, _ in results:
+            return await _roll_back(fleet, name, loaded, failed, len(targets))
+        if not entry.fingerprint:  # the volume may have caught up while the replicas retried
+            entry = Entry(path, await asyncio.to_thread(fingerprint, path))
+        state = fleet.ledger.state()
+        state.adapters.pop(name, None)
+        state.adapters[name] = entry
+        if not state.same_as(fleet.ledger.state()) and (exc := _commit(fleet, state)) is not None:
+            await _unload_from(fleet, name, loaded, "rollback after a failed ledger write")
+            return ledger_failed(exc, f"the load of {name!r} was rolled back on {len(loaded)} replica(s)")
+        for replica in fleet.ready():
             replica.adapters[name] = path
-        if fleet.ledger.get(name) != path:
-            fleet.ledger.put(name, path)
-        log.info("load ok name=%s path=%s replicas=%d (already there: %d)", name, path, len(targets),
-                 len(targets) - len(todo))
+            replica.held[name] = entry
+        log.info("load ok name=%s path=%s fingerprint=%s replicas=%d (already there: %d)", name, path,
+                 entry.fingerprint or "-", len(targets), len(targets) - len(todo))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+def _same(known: Entry, entry: Entry) -> bool:
+    """Same adapter: same path, and the same content where both fingerprints are known."""
+    return known.path == entry.path and not (
+        known.fingerprint and entry.fingerprint and known.fingerprint != entry.fingerprint)
 
 
 async def _load_one(replica: Replica, name: str, path: str, deadline: float) -> str:
@@ -136,11 +180,18 @@ async def _load_one(replica: Replica, name: str, path: str, deadline: float) -> 
         raise
 
 
+async def _unload_from(fleet: Fleet, name: str, replicas: list[Replica], why: str) -> None:
+    """Unload `name` from `replicas`; one that fails leaves traffic and re-syncs to the ledger."""
+    undone = await _each(fleet, replicas, lambda replica: replica.client.unload_lora_adapter(name))
+    for replica, result in _failures(undone):
+        if result.status != 404:
+            fleet.resync(replica, f"{why}: unload of {name} failed: {result}")
+    _forget(fleet, name, replicas)
+
+
 async def _roll_back(fleet: Fleet, name: str, accepted: list[Replica], failed: list[tuple[Replica, VLLMError]],
                      total: int) -> JSONResponse:
-    undone = await _each(fleet, accepted, lambda replica: replica.client.unload_lora_adapter(name))
-    for replica, result in _failures(undone):
-        fleet.resync(replica, f"rollback unload of {name} failed: {result}")
+    await _unload_from(fleet, name, accepted, "rollback")
     replica, first = failed[0]
     context = (f"{len(failed)}/{total} replica(s) failed to load {name!r}, first {replica.url}; "
                f"rolled back on {len(accepted)}")
@@ -153,24 +204,36 @@ async def _roll_back(fleet: Fleet, name: str, accepted: list[Replica], failed: l
 
 
 async def _rebind(fleet: Fleet, name: str, targets: list[Replica]) -> JSONResponse | None:
-    """Same name, other path: a new run reusing names. Unload everywhere and reset prefix caches first."""
-    log.warning("load name=%s rebinds a known name to a new path: unloading it and resetting prefix caches", name)
+    """Same name, other path or content: unload everywhere and reset prefix caches before the load.
+
+    The ledger drops the name first; if no replica could unload it, the ledger gets it back."""
+    log.warning("load name=%s rebinds a known name to other weights: unloading it and resetting prefix caches", name)
+    previous = fleet.ledger.state()
+    without = previous.copy()
+    without.adapters.pop(name, None)
+    if not without.same_as(previous) and (exc := _commit(fleet, without)) is not None:
+        return ledger_failed(exc, f"nothing was changed on the replicas (rebinding {name!r})")
     unloaded = await _each(fleet, targets, lambda replica: replica.client.unload_lora_adapter(name))
-    for replica, result in _failures(unloaded):
-        if result.status != 404:
-            fleet.resync(replica, f"unload of {name} before rebinding failed: {result}")
-            return relay(result, f"unloading {name!r} before rebinding it failed on {replica.url}")
+    broken = [(replica, result) for replica, result in _failures(unloaded) if result.status != 404]
+    if broken and len(broken) == len(unloaded):
+        _commit(fleet, previous)
+        return relay(broken[0][1], f"unloading {name!r} before rebinding it failed on every replica")
+    for replica, result in broken:
+        fleet.resync(replica, f"unload of {name} before rebinding failed: {result}")
     _forget(fleet, name, targets)
-    reset = await _each(fleet, targets, lambda replica: replica.client.reset_prefix_cache())
+    reset = await _each(fleet, [r for r in targets if r.state is State.READY],
+                        lambda replica: replica.client.reset_prefix_cache())
     for replica, result in _failures(reset):
-        fleet.resync(replica, f"prefix-cache reset failed: {result}")
-        return relay(result, f"prefix-cache reset before rebinding {name!r} failed on {replica.url}")
-    return None
+        fleet.resync(replica, f"prefix-cache reset before rebinding {name} failed: {result}")
+    return None if fleet.ready() else no_ready_replica(fleet)
 
 
 # --- unload ----------------------------------------------------------------------------------------
 async def unload_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
-    """Unload everywhere; 404 like vLLM when neither the ledger nor any replica had it."""
+    """Unload everywhere; 404 like vLLM when neither the ledger nor any replica had it.
+
+    The ledger drops the name first. If every replica fails to unload it, the ledger gets it back and
+    the error is returned (no replica leaves traffic); a replica that fails alone re-syncs without it."""
     name = body.get("lora_name")
     if not name:
         return error(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
@@ -179,15 +242,28 @@ async def unload_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
     except AdapterNameError as exc:
         return error(400, str(exc), "InvalidUserInput")
     async with fleet.broadcasting():
+        if fleet.ledger.rebuilding:
+            return rebuilding(fleet)
+        previous = fleet.ledger.state()
+        in_ledger = name in previous.adapters
+        if in_ledger:
+            without = previous.copy()
+            del without.adapters[name]
+            if (exc := _commit(fleet, without)) is not None:
+                return ledger_failed(exc, f"{name!r} was not unloaded from any replica")
         targets = fleet.ready()
         results = await _each(fleet, targets, lambda replica: replica.client.unload_lora_adapter(name))
-        in_ledger = _forget(fleet, name, targets)
         removed = [replica for replica, result in results if not isinstance(result, VLLMError)]
+        absent = [replica for replica, result in _failures(results) if result.status == 404]
         broken = [(replica, exc) for replica, exc in _failures(results) if exc.status != 404]
+        if broken and not removed and not absent:
+            if in_ledger and (exc := _commit(fleet, previous)) is not None:
+                log.error("unload name=%s failed everywhere and the ledger could not be restored: %s", name, exc)
+            return relay(broken[0][1], f"unload of {name!r} failed on every replica ({len(broken)}); "
+                         "nothing changed")
+        _forget(fleet, name, removed + absent)
         for replica, exc in broken:
             fleet.resync(replica, f"unload of {name} failed: {exc}")  # it re-syncs to the ledger without it
-        if broken and not removed:
-            return relay(broken[0][1], f"unload of {name!r} failed on {len(broken)}/{len(targets)} replica(s)")
         if not removed and not in_ledger and not broken:
             return error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
         log.info("unload ok name=%s replicas=%d resyncing=%d", name, len(removed), len(broken))
@@ -195,41 +271,66 @@ async def unload_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
 
 
 # --- pause / resume / caches -----------------------------------------------------------------------
+async def _set_pause(fleet: Fleet, replicas: list[Replica], mode: str | None, why: str) -> None:
+    """Put `replicas` back into pause state `mode` (None = running); one that fails re-syncs."""
+    if not replicas:
+        return
+    call = ((lambda replica: replica.client.pause(mode)) if mode is not None  # type: ignore[arg-type]
+            else (lambda replica: replica.client.resume()))
+    for replica, exc in _failures(await _each(fleet, replicas, call)):
+        fleet.resync(replica, f"{why}: {exc}")
+
+
 async def pause(fleet: Fleet, mode: str) -> Response:
-    """Pause every ready replica; if some fail, resume the ones already paused and report the failure."""
+    """Pause every ready replica and record the pause in the ledger; if some fail (or the ledger write
+    does), the replicas that paused are put back in the fleet's previous state and the failure reported."""
     if mode not in PAUSE_MODES:
         return error(400, f"Input should be 'abort', 'wait' or 'keep' (got {mode!r})", "Bad Request", "query.mode")
     async with fleet.broadcasting():
         targets = fleet.ready()
         if not targets:
             return no_ready_replica(fleet)
+        previous = fleet.ledger.paused
         results = await _each(fleet, targets, lambda replica: replica.client.pause(mode))  # type: ignore[arg-type]
+        paused = [replica for replica, result in results if not isinstance(result, VLLMError)]
         failed = _failures(results)
         if failed:
-            paused = [replica for replica, result in results if not isinstance(result, VLLMError)]
-            undone = await _each(fleet, paused, lambda replica: replica.client.resume())
-            for replica, exc in _failures(undone):
-                fleet.resync(replica, f"resume after a partial pause failed: {exc}")
-            context = f"pause failed on {len(failed)}/{len(targets)} replica(s); resumed the {len(paused)} paused"
+            if previous is None:
+                await _set_pause(fleet, paused, None, "resume after a partial pause failed")
+            context = (f"pause failed on {len(failed)}/{len(targets)} replica(s); the {len(paused)} paused are "
+                       f"back to the fleet's previous state ({'paused' if previous else 'running'})")
             log.warning("pause failed mode=%s %s: %s", mode, context, failed[0][1])
             return relay(failed[0][1], context)
-        fleet.paused_mode = mode
+        state = fleet.ledger.state()
+        state.paused = mode
+        if (exc := _commit(fleet, state)) is not None:
+            if previous is None:
+                await _set_pause(fleet, paused, None, "resume after a failed ledger write")
+            return ledger_failed(exc, "the replicas are back to the fleet's previous pause state")
         log.info("pause ok mode=%s replicas=%d", mode, len(targets))
         return JSONResponse({"status": "paused"})
 
 
 async def resume(fleet: Fleet) -> Response:
-    """Resume every ready replica; one that fails leaves traffic and re-syncs (which resumes it)."""
+    """Resume every ready replica and record it in the ledger. If every replica fails, nothing changes and
+    the error is returned; one that fails alone leaves traffic and re-syncs (which resumes it)."""
     async with fleet.broadcasting():
-        fleet.paused_mode = None
+        previous = fleet.ledger.paused
         targets = fleet.ready()
         results = await _each(fleet, targets, lambda replica: replica.client.resume())
+        resumed = [replica for replica, result in results if not isinstance(result, VLLMError)]
         failed = _failures(results)
+        if failed and not resumed:
+            return relay(failed[0][1], f"resume failed on every replica ({len(results)}); the fleet stays "
+                         f"{'paused' if previous else 'running'}")
+        state = fleet.ledger.state()
+        state.paused = None
+        if (exc := _commit(fleet, state)) is not None:
+            await _set_pause(fleet, resumed, previous, "pause again after a failed ledger write")
+            return ledger_failed(exc, "the replicas are back to the fleet's previous pause state")
         for replica, exc in failed:
             fleet.resync(replica, f"resume failed: {exc}")
-        if failed and len(failed) == len(results):
-            return relay(failed[0][1], f"resume failed on every replica ({len(results)})")
-        log.info("resume ok replicas=%d resyncing=%d", len(targets) - len(failed), len(failed))
+        log.info("resume ok replicas=%d resyncing=%d", len(resumed), len(failed))
         return JSONResponse({"status": "resumed"})
 
 

@@ -1,10 +1,17 @@
-"""Fleet membership: which replicas exist, which are ready, and bringing each one in line with the ledger.
+"""Fleet membership and health: which replicas exist, which are ready, and the supervised loops that watch them.
 
-A replica is `joining` until its /health answers 200, then `syncing` while every ledger adapter is
-loaded onto it in order (and anything else unloaded), then `ready`: only ready replicas get traffic
-and take part in broadcasts. Failed health checks (or failed routed calls) eject it; when it
-answers again it re-syncs. A ready replica whose adapters stop matching the ledger (it restarted)
-goes back to syncing. Ejection and re-sync drop the replica's routing ownership: its cache is gone.
+A replica is `joining` until its /health answers 200, then `syncing` (see `sync`) until it holds
+exactly the ledger and matches the fleet's pause state, then `ready`: only ready replicas get
+traffic and take part in broadcasts. When it misbehaves it is ejected and re-syncs once it answers:
+- connection refused or reset (it died): ejected at once;
+- /health timing out (busy, or hung): ejected only once timeouts have lasted PROXY_EJECT_SLOW_AFTER_S;
+- a bad status or a malformed answer: ejected after PROXY_EJECT_AFTER such checks in a row.
+A ready replica whose adapters or pause state stop matching the ledger (it restarted) goes back to
+syncing. Ejection and re-sync drop the replica's routing ownership: its cache is gone.
+
+The health loop is supervised: each replica's check is isolated (a malformed answer fails that
+replica's check with `last_error` set), and anything unexpected is logged and counted
+(`lorafleet_proxy_loop_errors_total`) while the loop goes on.
 """
 
 from __future__ import annotations
@@ -13,108 +20,60 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from enum import StrEnum
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Literal
 
 import httpx
+from lorafleet.ledger_file import Entry, LedgerState, fingerprint
 from lorafleet.settings import Settings
-from lorafleet.vllm_api import ServerInfo, VLLMClient, VLLMError, metric_total
+from lorafleet.vllm_api import VLLMClient, VLLMError, VLLMUnreachable, metric_total
 
 from .discovery import resolve
-from .ledger import Ledger
+from .ledger import Ledger, LedgerWriteError
+from .metrics import Metrics
+from .replica import Replica, State, upstream_pool
 from .router import Router
+from .sync import mismatch, sync
 
 log = logging.getLogger("lorafleet.proxy.fleet")
 
-LOAD_RETRY_FIRST_S = 0.05
-LOAD_RETRY_MAX_S = 1.0
-HEALTH_TIMEOUT_S = 5.0
-# Idle connections expire before vLLM's (uvicorn's) 5 s keep-alive does: reusing one the server is
-# closing at that very moment would fail the request.
-KEEPALIVE_EXPIRY_S = 2.0
+__all__ = ["Fleet", "Replica", "State"]
 
-
-class State(StrEnum):
-    JOINING = "joining"
-    SYNCING = "syncing"
-    READY = "ready"
-    EJECTED = "ejected"
-
-
-def upstream_pool(transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
-    """One connection pool per replica: httpx scans its whole pool for every request, so pools stay small."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=KEEPALIVE_EXPIRY_S)
-    return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(30.0, connect=5.0), limits=limits)
-
-
-@dataclass(eq=False)
-class Replica:
-    url: str
-    http: httpx.AsyncClient = field(repr=False)
-    client: VLLMClient = field(repr=False)
-    state: State = State.JOINING
-    inflight: int = 0
-    routed: int = 0
-    engine_queue: int = 0  # vLLM's running + waiting requests at the last health check (other clients too)
-    adapters: dict[str, str] = field(default_factory=dict)
-    last_error: str | None = None
-    failures: int = 0
-    info: ServerInfo | None = None
-    sync_task: asyncio.Task[None] | None = field(default=None, repr=False)
-
-    @property
-    def load(self) -> int:
-        return max(self.inflight, self.engine_queue)
-
-    def as_json(self) -> dict[str, object]:
-        return {"url": self.url, "state": self.state.value, "inflight": self.inflight, "routed": self.routed,
-                "adapters": dict(self.adapters), "last_error": self.last_error}
-
-
-async def load_until(client: VLLMClient, name: str, path: str, deadline: float) -> str:
-    """Load one adapter, retrying "No adapter found" (a volume not caught up yet) with backoff until `deadline`."""
-    delay = LOAD_RETRY_FIRST_S
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            answer = await client.load_lora_adapter(name, path, timeout=max(deadline - time.monotonic(), 1.0))
-        except VLLMError as exc:
-            if not exc.adapter_not_found or time.monotonic() + delay >= deadline:
-                raise
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, LOAD_RETRY_MAX_S)
-            continue
-        log.info("load name=%s replica=%s attempts=%d", name, client.base_url, attempt)
-        return answer
+Failure = Literal["refused", "timeout", "status", "malformed"]
 
 
 class Fleet:
     """The replicas, their states and the background loops that keep them in line with the ledger."""
 
     def __init__(self, settings: Settings, router: Router, ledger: Ledger,
-                 transport: httpx.AsyncBaseTransport | None = None,
-                 on_eject: Callable[[], None] = lambda: None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.router = router
         self.ledger = ledger
+        self.metrics = metrics or Metrics()
         self.transport = transport  # None = the network; tests pass an in-process transport
-        self._retired: list[httpx.AsyncClient] = []  # pools of removed replicas, closed at stop
         self.replicas: dict[str, Replica] = {}
         self.lock = asyncio.Lock()  # held by broadcasts and by a sync's final check: one consistent ledger view
-        self.generation = 0  # bumped by every broadcast, so a health check can tell its snapshot is stale
-        self.paused_mode: str | None = None  # the fleet is paused (a syncing replica is paused before it is ready)
-        self.on_eject = on_eject  # counts ejections in the app's metrics
+        self.generation = 0  # bumped when a broadcast starts and ends: a snapshot read meanwhile is stale
+        self.heartbeat = 0.0  # monotonic time of the last completed health round
+        self._retired: list[Replica] = []  # removed replicas whose pools close once their requests are done
+        self._cancelled: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._block_sizes: set[int] = set()
 
     @contextlib.asynccontextmanager
     async def broadcasting(self) -> AsyncIterator[None]:
-        """Hold the lock for a fleet-wide change and bump the generation, so a health check's snapshot is stale."""
+        """Hold the lock for a fleet-wide change; the generation moves on at both ends."""
         async with self.lock:
             self.generation += 1
-            yield
+            try:
+                yield
+            finally:
+                self.generation += 1
+
+    @property
+    def paused_mode(self) -> str | None:
+        return self.ledger.paused
 
     # --- membership ------------------------------------------------------------------------------
     def ready(self) -> list[Replica]:
@@ -129,29 +88,49 @@ class Fleet:
                 log.info("replica discovered url=%s", url)
         for url in [url for url in self.replicas if url not in urls]:
             replica = self.replicas.pop(url)
-            self._retired.append(replica.http)
             self._cancel_sync(replica)
+            replica.state = State.EJECTED
             self.router.forget_replica(url)
+            self._retired.append(replica)
+            with contextlib.suppress(KeyError):
+                self.metrics.inflight.remove(url)
             log.warning("replica removed url=%s (no longer discovered) state=%s", url, replica.state)
+
+    def loops_alive(self) -> bool:
+        return bool(self._tasks) and not any(task.done() for task in self._tasks)
 
     async def start(self) -> None:
         if self.settings.proxy_upstream_dns:
             await self._discover()
-            self._tasks.append(asyncio.create_task(self._dns_loop(), name="proxy-dns"))
+            self._tasks.append(asyncio.create_task(
+                self._supervised("dns", self._discover, self.settings.proxy_dns_interval_s), name="proxy-dns"))
         else:
             self.set_members(self.settings.upstream_urls)
-        self._tasks.append(asyncio.create_task(self._health_loop(), name="proxy-health"))
+        self._tasks.append(asyncio.create_task(
+            self._supervised("health", self.health_round, self.settings.proxy_health_interval_s),
+            name="proxy-health"))
 
     async def stop(self) -> None:
         for replica in self.replicas.values():
             self._cancel_sync(replica)
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for http in [replica.http for replica in self.replicas.values()] + self._retired:
-            await http.aclose()
+        await asyncio.gather(*self._tasks, *self._cancelled, return_exceptions=True)
+        for replica in [*self.replicas.values(), *self._retired]:
+            await replica.http.aclose()
+        self._retired.clear()
+
+    async def _supervised(self, loop: str, body: Callable[[], Awaitable[None]], interval_s: float) -> None:
+        """Run `body` every `interval_s` for the life of the proxy: an exception is logged, counted, survived."""
+        while True:
+            try:
+                await body()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must outlive any bug or odd answer
+                self.metrics.loop_errors.labels(loop).inc()
+                log.exception("%s loop: unexpected error (the loop goes on)", loop)
+            await asyncio.sleep(interval_s)
 
     async def _discover(self) -> None:
         try:
@@ -160,34 +139,63 @@ class Fleet:
             log.warning("dns: cannot resolve %s: %s (keeping %d replica(s))", self.settings.proxy_upstream_dns,
                         exc, len(self.replicas))
 
-    async def _dns_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.proxy_dns_interval_s)
-            await self._discover()
-
     # --- health ----------------------------------------------------------------------------------
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.gather(*(self.check(replica) for replica in list(self.replicas.values())))
-            await asyncio.sleep(self.settings.proxy_health_interval_s)
+    async def health_round(self) -> None:
+        """Check every replica (isolated from each other), rebuild an unreadable ledger, close retired pools."""
+        replicas = list(self.replicas.values())
+        healthy = await asyncio.gather(*(self.check(replica) for replica in replicas))
+        if self.ledger.rebuilding:
+            await self._rebuild_ledger([replica for replica, ok in zip(replicas, healthy, strict=True) if ok])
+        for replica in [r for r in self._retired if r.inflight == 0]:
+            self._retired.remove(replica)
+            await replica.http.aclose()
+        self.heartbeat = time.monotonic()
 
-    async def check(self, replica: Replica) -> None:
-        """One health check: eject on repeated failure, start a sync when due, reconcile a ready replica."""
-        if not await replica.client.health(timeout=HEALTH_TIMEOUT_S):
-            self.note_failure(replica, "health check failed")
-            return
-        replica.failures = 0
-        if replica.state is State.READY:
-            await self._reconcile(replica)
-        elif replica.sync_task is None or replica.sync_task.done():
-            self._start_sync(replica)
+    async def check(self, replica: Replica) -> bool:
+        """One health check, isolated: True when the replica answered. Never raises (but for cancellation)."""
+        try:
+            failure = await self._probe(replica)
+            if failure is not None:
+                self.note_failure(replica, failure[1], failure[0])
+                return False
+            replica.failures, replica.slow_since = 0, None
+            if replica.state is State.READY:
+                await self._reconcile(replica)
+            elif self._sync_due(replica):
+                self._start_sync(replica)
+            return True
+        except asyncio.CancelledError:
+            raise
+        except VLLMError as exc:
+            self.note_failure(replica, f"health check: {exc}", _kind(exc))
+            return False
+        except Exception as exc:  # a malformed answer fails this replica's check only
+            self.note_failure(replica, f"malformed reply: {type(exc).__name__}: {exc}", "malformed")
+            return False
 
-    def note_failure(self, replica: Replica, error: str) -> None:
-        """A failed health check or routed call; enough in a row eject the replica."""
-        replica.failures += 1
+    async def _probe(self, replica: Replica) -> tuple[Failure, str] | None:
+        try:
+            await replica.client.request("GET", "/health", timeout=self.settings.proxy_health_timeout_s)
+        except VLLMError as exc:
+            return _kind(exc), f"health check: {exc}"
+        return None
+
+    def note_failure(self, replica: Replica, error: str, kind: Failure = "status") -> None:
+        """A failed health check or routed call. Refused/reset ejects at once; timeouts only after
+        PROXY_EJECT_SLOW_AFTER_S of them; other failures after PROXY_EJECT_AFTER in a row."""
+        self.metrics.check_failures.labels(kind).inc()
         replica.last_error = error
-        if replica.failures >= self.settings.proxy_eject_after:
+        if kind == "refused":
             self.eject(replica, error)
+        elif kind == "timeout":
+            now = time.monotonic()
+            replica.slow_since = replica.slow_since or now
+            if now - replica.slow_since >= self.settings.proxy_eject_slow_after_s:
+                self.eject(replica, f"{error} (timing out for {now - replica.slow_since:.0f}s)")
+        else:
+            replica.failures += 1
+            if replica.failures >= self.settings.proxy_eject_after:
+                self.eject(replica, error)
 
     def eject(self, replica: Replica, error: str) -> None:
         """Out of traffic and broadcasts now; when it answers health checks again it re-syncs to the ledger."""
@@ -198,8 +206,9 @@ class Fleet:
         replica.last_error = error
         replica.adapters = {}
         replica.engine_queue = 0
+        replica.next_sync_at = 0.0
         self.router.forget_replica(replica.url)
-        self.on_eject()
+        self.metrics.ejections.inc()
         log.warning("replica ejected url=%s failures=%d error=%s", replica.url, replica.failures, error)
 
     def resync(self, replica: Replica, reason: str) -> None:
@@ -209,81 +218,49 @@ class Fleet:
         log.warning("replica resync url=%s reason=%s", replica.url, reason)
         replica.last_error = reason
         replica.state = State.SYNCING
+        replica.adapters = {}
         self.router.forget_replica(replica.url)
         self._cancel_sync(replica)
         self._start_sync(replica)
 
     async def _reconcile(self, replica: Replica) -> None:
-        """Compare a ready replica's /v1/models with the ledger (a restarted replica lost its adapters)."""
+        """Compare a ready replica's adapters and pause state with the ledger (a restarted replica lost both)."""
         generation = self.generation
-        if self.lock.locked():
-            return
-        try:
-            actual = await replica.client.loaded_adapters()
-        except VLLMError as exc:
-            self.note_failure(replica, f"/v1/models: {exc}")
-            return
+        listed = await replica.client.loaded_adapters()
+        paused = await replica.client.is_paused()
         with contextlib.suppress(VLLMError, ValueError):
             text = await replica.client.metrics()
             replica.engine_queue = int(metric_total(text, "vllm:num_requests_running")
                                        + metric_total(text, "vllm:num_requests_waiting"))
         if self.lock.locked() or generation != self.generation or replica.state is not State.READY:
-            return  # a broadcast ran meanwhile: this snapshot may predate it
-        wanted = self.ledger.entries()
-        if actual != wanted:
-            missing = sorted(set(wanted.items()) - set(actual.items()))
-            extra = sorted(set(actual.items()) - set(wanted.items()))
-            self.resync(replica, f"adapters differ from the ledger (restarted?): missing={missing} extra={extra}")
+            return  # a broadcast ran (or runs) meanwhile: this snapshot may predate it
+        replica.observe(listed)
+        problem = mismatch(replica, listed, paused, self.ledger.entries(), self.ledger.paused)
+        if problem is not None:
+            self.resync(replica, f"{problem} (restarted?)")
+
+    # --- syncs -----------------------------------------------------------------------------------
+    def _sync_due(self, replica: Replica) -> bool:
+        running = replica.sync_task is not None and not replica.sync_task.done()
+        return not running and not self.ledger.rebuilding and time.monotonic() >= replica.next_sync_at
 
     def _start_sync(self, replica: Replica) -> None:
-        replica.sync_task = asyncio.create_task(self.sync(replica), name=f"proxy-sync {replica.url}")
+        previous = replica.sync_task if replica.sync_task is not None and not replica.sync_task.done() else None
+        replica.sync_task = asyncio.create_task(self._sync_after(previous, replica), name=f"proxy-sync {replica.url}")
+
+    async def _sync_after(self, previous: asyncio.Task[None] | None, replica: Replica) -> None:
+        if previous is not None:
+            await asyncio.wait({previous})  # a cancelled sync finishes before the next one touches the replica
+        await sync(self, replica)
 
     def _cancel_sync(self, replica: Replica) -> None:
-        if replica.sync_task is not None and replica.sync_task is not asyncio.current_task():
-            replica.sync_task.cancel()
-        replica.sync_task = None
+        task = replica.sync_task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+            self._cancelled.add(task)
+            task.add_done_callback(self._cancelled.discard)
 
-    # --- catch-up --------------------------------------------------------------------------------
-    async def sync(self, replica: Replica) -> None:
-        """Load every ledger adapter (in order) onto the replica, unload the rest, then mark it ready."""
-        replica.state = State.SYNCING
-        self.router.forget_replica(replica.url)
-        deadline = time.monotonic() + self.settings.proxy_lora_load_timeout_s
-        try:
-            replica.info = await replica.client.server_info()
-            self._adopt_block_size(replica)
-            while True:
-                actual = await replica.client.loaded_adapters()
-                async with self.lock:
-                    wanted = self.ledger.entries()
-                    stale = [name for name, path in actual.items() if wanted.get(name) != path]
-                    missing = [(name, path) for name, path in wanted.items() if actual.get(name) != path]
-                    if not stale and not missing:
-                        await self._match_pause(replica)
-                        replica.adapters = actual
-                        replica.state = State.READY
-                        replica.last_error = None
-                        log.info("replica ready url=%s adapters=%s", replica.url, list(actual))
-                        return
-                log.info("replica syncing url=%s unload=%s load=%s", replica.url, stale, [n for n, _ in missing])
-                for name in stale:
-                    with contextlib.suppress(VLLMError):
-                        await replica.client.unload_lora_adapter(name)
-                if any(name in wanted for name in stale):
-                    await replica.client.reset_prefix_cache()  # a name rebound to new weights: no stale blocks
-                for name, path in missing:
-                    await load_until(replica.client, name, path, deadline)
-        except VLLMError as exc:
-            replica.last_error = f"sync: {exc}"
-            log.warning("replica sync failed url=%s error=%s (retried at the next health check)", replica.url, exc)
-
-    async def _match_pause(self, replica: Replica) -> None:
-        if self.paused_mode is not None:
-            await replica.client.pause(self.paused_mode)  # type: ignore[arg-type]
-        else:
-            await replica.client.resume()
-
-    def _adopt_block_size(self, replica: Replica) -> None:
+    def adopt_block_size(self, replica: Replica) -> None:
         size = replica.info.block_size if replica.info else None
         if not size:
             return
@@ -293,3 +270,46 @@ class Fleet:
                         sorted(self._block_sizes), self.router.block_size)
         elif self.settings.proxy_block_size == 0:
             self.router.set_block_size(int(size))
+
+    # --- an unreadable ledger --------------------------------------------------------------------
+    async def _rebuild_ledger(self, answering: list[Replica]) -> None:
+        """Rebuild the ledger from what the answering replicas hold, instead of unloading the fleet."""
+        views: list[tuple[dict[str, str], bool]] = []
+        for replica in answering:
+            try:
+                views.append((await replica.client.loaded_adapters(), await replica.client.is_paused()))
+            except Exception as exc:  # one replica's odd answer must not block the rebuild
+                self.note_failure(replica, f"ledger rebuild: {type(exc).__name__}: {exc}", "malformed")
+        if not views:
+            return
+        state = LedgerState(paused="keep" if all(paused for _, paused in views) else None)
+        for name, path in agreed([listed for listed, _ in views]).items():
+            state.adapters[name] = Entry(path, await asyncio.to_thread(fingerprint, path))
+        try:
+            self.ledger.commit(state)
+        except LedgerWriteError as exc:
+            log.error("ledger: rebuilt but not written (%s); retrying at the next health round", exc)
+            return
+        self.metrics.ledger_rebuilds.inc()
+        log.error("ledger: REBUILT from %d replica(s) because the file was unusable (%s): adapters=%s paused=%s",
+                  len(views), self.ledger.unreadable_reason, list(state.adapters), state.paused)
+
+
+def _kind(exc: VLLMError) -> Failure:
+    """Refused or reset = the replica died; a timeout = it may only be busy; anything else = a bad answer."""
+    if not isinstance(exc, VLLMUnreachable):
+        return "status"
+    return "timeout" if isinstance(exc.__cause__, httpx.TimeoutException) else "refused"
+
+
+def agreed(views: list[dict[str, str]]) -> dict[str, str]:
+    """Adapters (name -> path) some replica holds and no replica binds to another path, in first-seen order.
+
+    A name bound to two paths has no fleet-wide meaning and is left out (the replicas holding it drop it
+    during their sync); everything else is kept, so a rebuild never unloads what no client unloaded.
+    """
+    seen: dict[str, set[str]] = {}
+    for listed in views:
+        for name, path in listed.items():
+            seen.setdefault(name, set()).add(path)
+    return {name: next(iter(paths)) for name, paths in seen.items() if len(paths) == 1}

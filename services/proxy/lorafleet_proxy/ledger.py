@@ -1,90 +1,86 @@
-"""The fleet's adapter ledger: which adapters every ready replica must hold, in load order.
+"""The fleet's adapter ledger: which adapters every ready replica must hold (in load order, with their
+content fingerprints) and whether the fleet is paused.
 
 It is the proxy's source of truth for catch-up: a replica that joins, comes back or restarted is
-loaded with every ledger entry, in order, before it gets traffic. It is persisted atomically to
-`<ADAPTER_ROOT>/.fleet/proxy-ledger.json` = `{"version": 1, "adapters": [{"name", "path"}, ...]}`
-so that a restarted proxy restores the fleet's state.
+loaded with every ledger entry, in order, and paused like the fleet before it gets traffic. The file
+format lives in `lorafleet.ledger_file` (the doctor reads the same file).
+
+Changes go through `commit`: the new state is written durably first and only then becomes the
+state in memory, so memory and disk never differ and a change whose write failed is not made.
+A ledger file that exists but cannot be read is never taken for an empty ledger (that would unload
+the whole fleet): the ledger stays `rebuilding` until the fleet rebuilds it from what the replicas
+hold (`Fleet` does that at its first health round where replicas answer).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from pathlib import Path
 
-from lorafleet.adapters import AdapterNameError, AdapterPathError, check_adapter_name, confine, fleet_dir
+from lorafleet.ledger_file import Entry, LedgerFileError, LedgerState, ledger_path, read, write
+
+__all__ = ["Ledger", "LedgerWriteError", "ledger_path"]
 
 log = logging.getLogger("lorafleet.proxy.ledger")
 
-LEDGER_FILE = "proxy-ledger.json"
-LEDGER_VERSION = 1
 
-
-def ledger_path(adapter_root: Path) -> Path:
-    return fleet_dir(adapter_root) / LEDGER_FILE
+class LedgerWriteError(RuntimeError):
+    """The ledger could not be persisted; the change it carried must not be acknowledged."""
 
 
 class Ledger:
-    """Adapter name -> path in load order, saved after every change."""
-
     def __init__(self, path: Path, adapter_root: Path) -> None:
         self.path = path
         self.adapter_root = adapter_root
-        self._entries: dict[str, str] = {}
+        self._state = LedgerState()
+        self.rebuilding = False  # the file was unreadable: wait for the replicas before trusting any view
+        self.unreadable_reason = ""
 
     def restore(self) -> None:
-        """Read the persisted ledger; entries that are no longer valid are dropped with a warning."""
+        """Read the persisted ledger. A missing file is an empty ledger; an unusable one means `rebuilding`."""
         try:
-            payload = json.loads(self.path.read_text())
-        except FileNotFoundError:
+            state = read(self.path, self.adapter_root)
+        except LedgerFileError as exc:
+            self.rebuilding, self.unreadable_reason = True, str(exc)
+            log.error("ledger: %s is unusable (%s): it will be rebuilt from the adapters the replicas agree on; "
+                      "nothing is unloaded meanwhile", self.path, exc)
+            return
+        if state is None:
             log.info("ledger: no file at %s, starting empty", self.path)
             return
-        except (OSError, ValueError) as exc:
-            log.error("ledger: unreadable %s (%s), starting empty", self.path, exc)
-            return
-        if not isinstance(payload, dict) or payload.get("version") != LEDGER_VERSION:
-            log.error("ledger: %s is not a version-%d ledger, starting empty", self.path, LEDGER_VERSION)
-            return
-        for item in payload.get("adapters", []):
-            try:
-                name = check_adapter_name(item.get("name"))
-                path = str(confine(str(item.get("path", "")), self.adapter_root))
-            except (AdapterNameError, AdapterPathError, AttributeError) as exc:
-                log.warning("ledger: dropping entry %r: %s", item, exc)
-                continue
-            self._entries[name] = path
-        log.info("ledger: restored %d adapter(s) from %s: %s", len(self._entries), self.path, list(self._entries))
+        for reason in state.dropped:
+            log.warning("ledger: dropping entry %s", reason)
+        self._state = state
+        log.info("ledger: restored %d adapter(s) from %s: %s paused=%s", len(state.adapters), self.path,
+                 list(state.adapters), state.paused)
 
-    def save(self) -> None:
-        """Write atomically (temporary file + rename): a crash leaves the old or the new ledger, never half."""
-        payload = {"version": LEDGER_VERSION,
-                   "adapters": [{"name": name, "path": path} for name, path in self._entries.items()]}
+    def commit(self, state: LedgerState) -> None:
+        """Persist `state` durably, then make it the ledger. Raises LedgerWriteError (memory unchanged)."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(payload, indent=1))
-            os.replace(tmp, self.path)
+            write(self.path, state)
         except OSError as exc:
-            log.error("ledger: cannot persist to %s: %s (a restarted proxy would forget adapters)", self.path, exc)
+            log.error("ledger: cannot persist to %s: %s", self.path, exc)
+            raise LedgerWriteError(f"the fleet ledger {self.path} could not be written: {exc}") from exc
+        self._state = state.copy()
+        self.rebuilding = False
 
-    def entries(self) -> dict[str, str]:
+    def state(self) -> LedgerState:
+        """A copy to change and `commit`."""
+        return self._state.copy()
+
+    def entries(self) -> dict[str, Entry]:
         """A copy, in load order."""
-        return dict(self._entries)
+        return dict(self._state.adapters)
 
-    def get(self, name: str) -> str | None:
-        return self._entries.get(name)
+    def paths(self) -> dict[str, str]:
+        return {name: entry.path for name, entry in self._state.adapters.items()}
 
-    def put(self, name: str, path: str) -> None:
-        self._entries.pop(name, None)
-        self._entries[name] = path
-        self.save()
+    def get(self, name: str) -> Entry | None:
+        return self._state.adapters.get(name)
 
-    def remove(self, name: str) -> bool:
-        if self._entries.pop(name, None) is None:
-            return False
-        self.save()
-        return True
+    @property
+    def paused(self) -> str | None:
+        return self._state.paused
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._state.adapters)

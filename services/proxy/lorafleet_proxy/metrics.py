@@ -34,3 +34,11 @@ class Metrics:
         self.ledger_size = Gauge("lorafleet_proxy_ledger_adapters", "Adapters in the fleet ledger.", registry=r)
         self.ejections = Counter("lorafleet_proxy_ejections", "Replicas ejected after failed health checks.",
                                  registry=r)
+        self.loop_errors = Counter("lorafleet_proxy_loop_errors", "Unexpected errors survived by the supervised "
+                                   "loops (health, dns) and by replica syncs, by loop.", ["loop"], registry=r)
+        self.check_failures = Counter("lorafleet_proxy_replica_check_failures", "Failed replica checks by kind "
+                                      "(refused, timeout, status, malformed).", ["kind"], registry=r)
+        self.ledger_rebuilds = Counter("lorafleet_proxy_ledger_rebuilds", "Ledgers rebuilt from the replicas because "
+                                       "the ledger file was unusable.", registry=r)
+        self.ledger_write_failures = Counter("lorafleet_proxy_ledger_write_failures", "Ledger writes that failed "
+                                             "(the broadcast that needed them failed).", registry=r)

@@ -3,26 +3,39 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from lorafleet_proxy import main as proxy_main
-from lorafleet_proxy.ledger import Ledger, ledger_path
+from lorafleet.ledger_file import Entry, fingerprint
+from lorafleet_proxy.ledger import Ledger, LedgerWriteError, ledger_path
 
 
-def test_ledger_round_trip_keeps_load_order(tmp_path: Path) -> None:
+def _put(ledger: Ledger, name: str, path: str) -> None:
+    state = ledger.state()
+    state.adapters.pop(name, None)
+    state.adapters[name] = Entry(path)
+    ledger.commit(state)
+
+
+def test_ledger_round_trip_keeps_load_order_fingerprints_and_pause(tmp_path: Path) -> None:
     ledger = Ledger(ledger_path(tmp_path), tmp_path)
-    ledger.put("trl-policy-v2", str(tmp_path / "b"))
-    ledger.put("trl-policy-v1", str(tmp_path / "a"))
-    ledger.remove("trl-policy-v2")
-    ledger.put("trl-policy-v3", str(tmp_path / "c"))
+    _put(ledger, "trl-policy-v2", str(tmp_path / "b"))
+    _put(ledger, "trl-policy-v1", str(tmp_path / "a"))
+    state = ledger.state()
+    del state.adapters["trl-policy-v2"]
+    state.adapters["trl-policy-v3"] = Entry(str(tmp_path / "c"), "sha256:00")
+    state.paused = "keep"
+    ledger.commit(state)
     payload = json.loads((tmp_path / ".fleet" / "proxy-ledger.json").read_text())
-    assert payload == {"version": 1, "adapters": [{"name": "trl-policy-v1", "path": str(tmp_path / "a")},
-                                                  {"name": "trl-policy-v3", "path": str(tmp_path / "c")}]}
+    assert payload == {"version": 2, "paused": "keep", "adapters": [
+        {"name": "trl-policy-v1", "path": str(tmp_path / "a"), "fingerprint": ""},
+        {"name": "trl-policy-v3", "path": str(tmp_path / "c"), "fingerprint": "sha256:00"}]}
     assert [p.name for p in (tmp_path / ".fleet").iterdir()] == ["proxy-ledger.json"], "temporary file left behind"
     restored = Ledger(ledger_path(tmp_path), tmp_path)
     restored.restore()
-    assert restored.entries() == ledger.entries()
+    assert restored.entries() == ledger.entries() and restored.paused == "keep"
 
 
 def test_restore_drops_entries_outside_the_root_or_badly_named(tmp_path: Path) -> None:
@@ -35,16 +48,50 @@ def test_restore_drops_entries_outside_the_root_or_badly_named(tmp_path: Path) -
     ]}))
     ledger = Ledger(path, tmp_path)
     ledger.restore()
-    assert ledger.entries() == {"ok-v1": str(tmp_path / "ok")}
+    assert ledger.entries() == {"ok-v1": Entry(str(tmp_path / "ok"))}
+    assert ledger.paused is None and not ledger.rebuilding
 
 
-def test_corrupt_ledger_starts_empty(tmp_path: Path) -> None:
+@pytest.mark.parametrize("content", ["{not json", '{"version": 9, "adapters": []}', '{"version": 2, "adapters": {}}',
+                                     '{"version": 2, "paused": "maybe", "adapters": []}', "[]"])
+def test_unusable_ledger_is_rebuilt_not_taken_for_empty(tmp_path: Path, content: str) -> None:
     path = ledger_path(tmp_path)
     path.parent.mkdir(parents=True)
-    path.write_text("{not json")
+    path.write_text(content)
     ledger = Ledger(path, tmp_path)
     ledger.restore()
-    assert len(ledger) == 0
+    assert ledger.rebuilding and ledger.unreadable_reason
+
+
+def test_commit_is_durable_and_a_failed_write_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    ledger = Ledger(ledger_path(tmp_path), tmp_path)
+    _put(ledger, "a-v1", str(tmp_path / "a"))
+    assert len(synced) == 2, "the file and its directory must both be fsynced"
+
+    def full(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(LedgerWriteError, match="No space left on device"):
+        _put(ledger, "b-v1", str(tmp_path / "b"))
+    assert list(ledger.entries()) == ["a-v1"], "memory changed although the write failed"
+    assert [p.name for p in (tmp_path / ".fleet").iterdir()] == ["proxy-ledger.json"]
+
+
+def test_fingerprint_follows_config_and_weights_only(tmp_path: Path) -> None:
+    adapter = tmp_path / "v1"
+    assert fingerprint(adapter) == "", "an invisible adapter has no fingerprint"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights-1")
+    first = fingerprint(adapter)
+    (adapter / "README.md").write_text("docs do not count")
+    assert fingerprint(adapter) == first and first.startswith("sha256:")
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights-2")
+    assert fingerprint(adapter) != first
 
 
 @pytest.mark.parametrize(("env", "named"), [

@@ -2,34 +2,54 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
+from lorafleet.ledger_file import Entry
 from lorafleet.settings import load_settings
+from lorafleet.vllm_api import error_body
+from lorafleet_proxy import broadcast
 from lorafleet_proxy.fleet import Fleet, State
 from lorafleet_proxy.ledger import Ledger, ledger_path
 from lorafleet_proxy.router import Router
 
-R1, R2 = "http://r1:8000", "http://r2:8000"
+ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+R1, R2, R3 = "http://r1:8000", "http://r2:8000", "http://r3:8000"
 
 
 @dataclass
 class Engine:
-    """Just enough of one vLLM replica, answering like vLLM 0.31."""
+    """Just enough of one vLLM replica, answering like vLLM 0.31, with faults to inject."""
 
-    healthy: bool = True
+    healthy: bool = True  # False: connection refused (the process is gone)
     adapters: dict[str, str] = field(default_factory=dict)
     paused: str | None = None
     missing_for: int = 0  # "No adapter found" this many times first
     loads: list[str] = field(default_factory=list)
+    calls: list[str] = field(default_factory=list)
+    fail: dict[str, int] = field(default_factory=dict)  # path -> status answered with vLLM's engine-dead body
+    hang: set[str] = field(default_factory=set)  # paths that time out
+    malformed: set[str] = field(default_factory=set)  # paths answering 200 with a body of the wrong shape
+    on_call: Callable[[str], None] | None = None
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         if not self.healthy:
             raise httpx.ConnectError("connection refused", request=request)
+        if path in self.hang:
+            raise httpx.ReadTimeout("timed out", request=request)
+        self.calls.append(path)
+        if self.on_call is not None:
+            self.on_call(path)
+        if path in self.malformed:
+            return httpx.Response(200, json={"data": [{"no-id": True}], "vllm_config": 3})
+        if path in self.fail:
+            return httpx.Response(self.fail[path], json=error_body(ENGINE_DEAD, "InternalServerError", self.fail[path]))
         if path == "/health":
             return httpx.Response(200)
         if path == "/server_info":
@@ -45,19 +65,29 @@ class Engine:
             if self.missing_for:
                 self.missing_for -= 1
                 message = f"Loading lora {body['lora_name']} failed: No adapter found for <path>"
-                return httpx.Response(404, json={"error": {"message": message, "type": "NotFoundError",
-                                                           "param": None, "code": 404}})
+                return httpx.Response(404, json=error_body(message, "NotFoundError", 404))
+            if body["lora_name"] in self.adapters:
+                message = (f"The lora adapter '{body['lora_name']}' has already been loaded. If you want to load the "
+                           "adapter in place, set 'load_inplace' to True.")
+                return httpx.Response(400, json=error_body(message, "InvalidUserInput", 400))
             self.adapters[body["lora_name"]] = body["lora_path"]
-            return httpx.Response(200, text="Success")
+            return httpx.Response(200, text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
         if path == "/v1/unload_lora_adapter":
-            self.adapters.pop(json.loads(request.content)["lora_name"], None)
-            return httpx.Response(200, text="Success")
+            name = json.loads(request.content)["lora_name"]
+            if self.adapters.pop(name, None) is None:
+                return httpx.Response(404, json=error_body(f"The lora adapter '{name}' cannot be found.",
+                                                           "NotFoundError", 404))
+            return httpx.Response(200, text=f"Success: LoRA adapter '{name}' removed successfully.")
         if path == "/pause":
             self.paused = request.url.params["mode"]
             return httpx.Response(200, json={"status": "paused"})
         if path == "/resume":
             self.paused = None
             return httpx.Response(200, json={"status": "resumed"})
+        if path == "/is_paused":
+            return httpx.Response(200, json={"is_paused": self.paused is not None})
+        if path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
         return httpx.Response(404)
 
 
@@ -67,13 +97,28 @@ def engines() -> dict[str, Engine]:
 
 
 @pytest.fixture
-async def fleet(engines: dict[str, Engine], tmp_path: Path) -> Fleet:
-    settings = load_settings(proxy_upstreams=f"{R1},{R2}", adapter_root=str(tmp_path), proxy_eject_after=2)
+async def fleet(engines: dict[str, Engine], tmp_path: Path) -> AsyncIterator[Fleet]:
+    fleet = make_fleet(engines, tmp_path)
+    yield fleet
+    await fleet.stop()
+
+
+def make_fleet(engines: dict[str, Engine], root: Path, **overrides: object) -> Fleet:
+    settings = load_settings(proxy_upstreams=",".join(engines), adapter_root=str(root),
+                             **{"proxy_eject_after": 2, "proxy_health_interval_s": 0.01, **overrides})
     transport = httpx.MockTransport(lambda request: engines[f"http://{request.url.netloc.decode()}"].handle(request))
-    ledger = Ledger(ledger_path(tmp_path), tmp_path)
+    ledger = Ledger(ledger_path(root), root)
+    ledger.restore()
     fleet = Fleet(settings, Router(block_size=16), ledger, transport)
     fleet.set_members(settings.upstream_urls)
     return fleet
+
+
+def put(ledger: Ledger, name: str, path: str, digest: str = "") -> None:
+    state = ledger.state()
+    state.adapters.pop(name, None)
+    state.adapters[name] = Entry(path, digest)
+    ledger.commit(state)
 
 
 async def check_and_sync(fleet: Fleet, url: str) -> None:
@@ -86,22 +131,22 @@ async def check_and_sync(fleet: Fleet, url: str) -> None:
 async def test_a_replica_syncs_the_ledger_in_order_before_it_is_ready(fleet: Fleet, engines: dict[str, Engine],
                                                                       tmp_path: Path) -> None:
     assert fleet.replicas[R1].state is State.JOINING and fleet.ready() == []
-    fleet.ledger.put("trl-policy-v1", str(tmp_path / "v1"))
-    fleet.ledger.put("trl-policy-v2", str(tmp_path / "v2"))
+    put(fleet.ledger, "trl-policy-v1", str(tmp_path / "v1"))
+    put(fleet.ledger, "trl-policy-v2", str(tmp_path / "v2"))
     engines[R1].adapters["stale-run"] = str(tmp_path / "stale")
     engines[R1].missing_for = 2  # the volume lags for the first adapter
     await check_and_sync(fleet, R1)
     replica = fleet.replicas[R1]
     assert replica.state is State.READY and fleet.ready() == [replica]
     assert engines[R1].loads == ["trl-policy-v1"] * 3 + ["trl-policy-v2"]
-    assert engines[R1].adapters == replica.adapters == fleet.ledger.entries(), "stale adapters must be unloaded"
+    assert engines[R1].adapters == replica.adapters == fleet.ledger.paths(), "stale adapters must be unloaded"
     assert fleet.router.block_size == 128, "the routing block size follows the replicas' KV block size"
 
 
 async def test_failed_health_checks_eject_and_forget_then_the_replica_resyncs(
     fleet: Fleet, engines: dict[str, Engine], tmp_path: Path
 ) -> None:
-    fleet.ledger.put("trl-policy-v1", str(tmp_path / "v1"))
+    put(fleet.ledger, "trl-policy-v1", str(tmp_path / "v1"))
     await check_and_sync(fleet, R1)
     await check_and_sync(fleet, R2)
     replica = fleet.replicas[R1]
@@ -109,7 +154,7 @@ async def test_failed_health_checks_eject_and_forget_then_the_replica_resyncs(
     fleet.router.choose("trl-policy-v1", prompt, {R1: 0})
     assert R1 in fleet.router._slots
 
-    engines[R1].healthy = False
+    engines[R1].fail["/health"] = 503
     await fleet.check(replica)
     assert replica.state is State.READY, "one failed check is not enough"
     await fleet.check(replica)
@@ -125,7 +170,7 @@ async def test_failed_health_checks_eject_and_forget_then_the_replica_resyncs(
 async def test_a_ready_replica_that_lost_its_adapters_goes_back_to_syncing(
     fleet: Fleet, engines: dict[str, Engine], tmp_path: Path
 ) -> None:
-    fleet.ledger.put("trl-policy-v1", str(tmp_path / "v1"))
+    put(fleet.ledger, "trl-policy-v1", str(tmp_path / "v1"))
     await check_and_sync(fleet, R1)
     engines[R1].adapters.clear()
     await fleet.check(fleet.replicas[R1])
@@ -137,7 +182,9 @@ async def test_a_ready_replica_that_lost_its_adapters_goes_back_to_syncing(
 async def test_a_replica_joining_a_paused_fleet_is_paused_before_it_is_ready(
     fleet: Fleet, engines: dict[str, Engine]
 ) -> None:
-    fleet.paused_mode = "keep"
+    state = fleet.ledger.state()
+    state.paused = "keep"
+    fleet.ledger.commit(state)
     await check_and_sync(fleet, R2)
     assert fleet.replicas[R2].state is State.READY and engines[R2].paused == "keep"
 
@@ -152,3 +199,202 @@ async def test_a_joining_replica_that_never_answers_stays_joining(fleet: Fleet, 
 async def test_removed_members_are_dropped(fleet: Fleet) -> None:
     fleet.set_members([R2])
     assert list(fleet.replicas) == [R2]
+
+
+# --- issue 11: one test per defect -----------------------------------------------------------------
+async def ready_fleet(fleet: Fleet) -> None:
+    for url in fleet.replicas:
+        await check_and_sync(fleet, url)
+    assert len(fleet.ready()) == len(fleet.replicas)
+
+
+async def test_1_a_malformed_answer_fails_one_replica_and_the_loop_survives(
+    fleet: Fleet, engines: dict[str, Engine]
+) -> None:
+    await ready_fleet(fleet)
+    engines[R1].malformed.add("/v1/models")
+    await fleet.health_round()  # must not raise
+    assert "malformed reply" in (fleet.replicas[R1].last_error or "")
+    assert fleet.replicas[R2].state is State.READY and fleet.replicas[R2].last_error is None
+    failures = fleet.metrics.check_failures.labels("malformed")._value.get()
+    assert failures == 1
+
+    calls = 0
+
+    async def broken_round() -> None:
+        nonlocal calls
+        calls += 1
+        raise KeyError("a bug")
+
+    loop = asyncio.create_task(fleet._supervised("health", broken_round, 0.001))
+    for _ in range(200):
+        if calls >= 3:
+            break
+        await asyncio.sleep(0.005)
+    assert not loop.done() and calls >= 3, "one exception stopped the loop"
+    assert fleet.metrics.loop_errors.labels("health")._value.get() >= 3
+    loop.cancel()
+
+
+async def test_2_an_unreadable_ledger_is_rebuilt_from_the_replicas_and_nothing_is_unloaded(
+    engines: dict[str, Engine], tmp_path: Path
+) -> None:
+    (tmp_path / ".fleet").mkdir()
+    ledger_path(tmp_path).write_text('{"version": 2, "adapt')
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    engines[R1].adapters = {"trl-policy-v1": a, "trl-policy-v2": b}
+    engines[R2].adapters = {"trl-policy-v1": a}
+    fleet = make_fleet(engines, tmp_path)
+    try:
+        assert fleet.ledger.rebuilding
+        await fleet.health_round()  # rebuilds
+        await fleet.health_round()  # starts the syncs
+        for replica in fleet.replicas.values():
+            if replica.sync_task:
+                await replica.sync_task
+        assert not fleet.ledger.rebuilding and list(fleet.ledger.paths()) == ["trl-policy-v1", "trl-policy-v2"]
+        assert fleet.metrics.ledger_rebuilds._value.get() == 1
+        assert [c for e in engines.values() for c in e.calls if c == "/v1/unload_lora_adapter"] == []
+        assert engines[R2].adapters == engines[R1].adapters, "the replica missing v2 was given it, nobody lost one"
+        assert json.loads(ledger_path(tmp_path).read_text())["version"] == 2
+    finally:
+        await fleet.stop()
+
+
+async def test_2_a_failed_ledger_write_fails_the_load_and_rolls_it_back(
+    fleet: Fleet, engines: dict[str, Engine], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await ready_fleet(fleet)
+
+    def read_only(*_: object, **__: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr("lorafleet.ledger_file.write", read_only)
+    monkeypatch.setattr("lorafleet_proxy.ledger.write", read_only)
+    response = await broadcast.load_adapter(fleet, {"lora_name": "trl-policy-v1", "lora_path": str(tmp_path / "v1")})
+    assert response.status_code == 500
+    assert "Read-only file system" in json.loads(response.body)["error"]["message"]
+    assert all(engine.adapters == {} for engine in engines.values()), "loaded although the ledger was not written"
+    assert len(fleet.ledger) == 0
+
+
+async def test_3_a_partial_pause_of_a_paused_fleet_keeps_it_paused_and_pause_survives_a_restart(
+    fleet: Fleet, engines: dict[str, Engine], tmp_path: Path
+) -> None:
+    await ready_fleet(fleet)
+    assert (await broadcast.pause(fleet, "keep")).status_code == 200
+    engines[R2].fail["/pause"] = 500
+    response = await broadcast.pause(fleet, "abort")
+    assert response.status_code == 500
+    assert engines[R1].paused is not None and engines[R2].paused is not None, "a replica was resumed: fleet mixed"
+    assert fleet.ledger.paused == "keep"
+
+    engines[R2].fail.clear()
+    engines[R3] = Engine()  # a proxy restarted during the pause restores the pause and applies it to newcomers
+    restarted = make_fleet(engines, tmp_path)
+    try:
+        assert restarted.ledger.paused == "keep"
+        await ready_fleet(restarted)
+        assert [engine.paused for engine in engines.values()] == ["keep", "keep", "keep"]
+        assert all(path != "/resume" for path in engines[R1].calls[-3:])
+    finally:
+        await restarted.stop()
+
+
+async def test_4_an_unload_or_resume_failing_everywhere_changes_nothing(
+    fleet: Fleet, engines: dict[str, Engine], tmp_path: Path
+) -> None:
+    put(fleet.ledger, "trl-policy-v1", str(tmp_path / "v1"))
+    await ready_fleet(fleet)
+    assert (await broadcast.pause(fleet, "keep")).status_code == 200
+    for engine in engines.values():
+        engine.fail["/v1/unload_lora_adapter"] = 500
+        engine.fail["/resume"] = 500
+    unloaded = await broadcast.unload_adapter(fleet, {"lora_name": "trl-policy-v1"})
+    resumed = await broadcast.resume(fleet)
+    assert unloaded.status_code == resumed.status_code == 500
+    assert len(fleet.ready()) == 2, "a broadcast that failed everywhere took replicas out of traffic"
+    assert list(fleet.ledger.paths()) == ["trl-policy-v1"] and fleet.ledger.paused == "keep"
+    assert json.loads(ledger_path(tmp_path).read_text())["adapters"][0]["name"] == "trl-policy-v1"
+
+
+async def test_5_sync_holds_no_lock_during_replica_io_and_checks_a_read_after_its_last_change(
+    fleet: Fleet, engines: dict[str, Engine], tmp_path: Path
+) -> None:
+    put(fleet.ledger, "trl-policy-v1", str(tmp_path / "v1"))
+    locked_during: list[str] = []
+    restarted = False
+
+    def watch(path: str) -> None:
+        nonlocal restarted
+        if fleet.lock.locked():
+            locked_during.append(path)
+        if path == "/resume" and not restarted:  # the replica restarts right after its adapters were read
+            restarted = True
+            engines[R1].adapters.clear()
+
+    engines[R1].on_call = watch
+    await check_and_sync(fleet, R1)
+    assert locked_during == [], f"replica I/O under the fleet lock: {locked_during}"
+    assert fleet.replicas[R1].state is State.READY
+    assert engines[R1].adapters == {"trl-policy-v1": str(tmp_path / "v1")}, "ready without the ledger's adapter"
+
+
+async def test_5_a_failing_sync_backs_off(fleet: Fleet, engines: dict[str, Engine]) -> None:
+    engines[R1].fail["/server_info"] = 500
+    await check_and_sync(fleet, R1)
+    replica = fleet.replicas[R1]
+    assert replica.state is State.SYNCING and replica.next_sync_at > 0
+    calls = engines[R1].calls.count("/server_info")
+    await check_and_sync(fleet, R1)
+    assert engines[R1].calls.count("/server_info") == calls, "a failing sync was retried without backoff"
+
+
+async def test_8_timeouts_eject_only_after_the_window_refusals_at_once_and_removal_releases(
+    engines: dict[str, Engine], tmp_path: Path
+) -> None:
+    fleet = make_fleet(engines, tmp_path, proxy_eject_slow_after_s=0.2)
+    try:
+        await ready_fleet(fleet)
+        engines[R1].hang.add("/health")
+        for _ in range(3):
+            await fleet.check(fleet.replicas[R1])
+        assert fleet.replicas[R1].state is State.READY, "a slow (busy) replica was ejected at once"
+        await asyncio.sleep(0.25)
+        await fleet.check(fleet.replicas[R1])
+        assert fleet.replicas[R1].state is State.EJECTED
+
+        engines[R2].healthy = False
+        await fleet.check(fleet.replicas[R2])
+        assert fleet.replicas[R2].state is State.EJECTED, "a refused connection must eject at once"
+
+        removed = fleet.replicas[R2]
+        fleet.metrics.inflight.labels(R2).set(0)
+        fleet.set_members([R1])
+        await fleet.health_round()
+        assert removed.http.is_closed, "the removed replica's pool stays open"
+        assert R2 not in {s.labels.get("replica") for m in fleet.metrics.registry.collect() for s in m.samples}
+    finally:
+        await fleet.stop()
+
+
+async def test_rebind_by_content_same_name_same_path_new_weights(
+    fleet: Fleet, engines: dict[str, Engine], tmp_path: Path
+) -> None:
+    adapter = tmp_path / "runs" / "r" / ".vllm_lora" / "trl-policy-v2"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(b"published before the crash")
+    await ready_fleet(fleet)
+    body = {"lora_name": "trl-policy-v2", "lora_path": str(adapter)}
+    assert (await broadcast.load_adapter(fleet, body)).status_code == 200
+    first = fleet.ledger.get("trl-policy-v2")
+    assert first is not None and first.fingerprint.startswith("sha256:")
+    assert (await broadcast.load_adapter(fleet, body)).status_code == 200
+    assert engines[R1].loads == ["trl-policy-v2"], "the same content was loaded twice"
+
+    (adapter / "adapter_model.safetensors").write_bytes(b"republished after the resume")
+    assert (await broadcast.load_adapter(fleet, body)).status_code == 200
+    for engine in engines.values():
+        assert engine.calls[-3:] == ["/v1/unload_lora_adapter", "/reset_prefix_cache", "/v1/load_lora_adapter"]
+    assert fleet.ledger.get("trl-policy-v2") != first

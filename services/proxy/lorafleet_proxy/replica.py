@@ -1,0 +1,78 @@
+"""One replica as the proxy sees it: its membership state, its HTTP pool, and which adapters it holds.
+
+Two views of its adapters, kept apart on purpose:
+- `adapters` (name -> path) is the routing view: what requests may name on this replica. It is
+  filled only when the replica becomes ready and emptied when it leaves traffic.
+- `held` (name -> ledger entry, with the content fingerprint) is what the proxy knows the replica
+  has loaded. It survives ejection, so a replica that missed a rebind (same name and path, new
+  content) while it was out is recognised by its old fingerprint and reloaded before it is ready.
+  A name the replica no longer lists is dropped from it (the replica restarted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import httpx
+from lorafleet.ledger_file import Entry
+from lorafleet.vllm_api import ServerInfo, VLLMClient
+
+# Idle connections expire before vLLM's (uvicorn's) 5 s keep-alive does: reusing one the server is
+# closing at that very moment would fail the request.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+class State(StrEnum):
+    JOINING = "joining"
+    SYNCING = "syncing"
+    READY = "ready"
+    EJECTED = "ejected"
+
+
+def upstream_pool(transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
+    """One connection pool per replica: httpx scans its whole pool for every request, so pools stay small."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(30.0, connect=5.0), limits=limits)
+
+
+@dataclass(eq=False)
+class Replica:
+    url: str
+    http: httpx.AsyncClient = field(repr=False)
+    client: VLLMClient = field(repr=False)
+    state: State = State.JOINING
+    inflight: int = 0
+    routed: int = 0
+    engine_queue: int = 0  # vLLM's running + waiting requests at the last health check (other clients too)
+    adapters: dict[str, str] = field(default_factory=dict)  # routing view, see the module docstring
+    held: dict[str, Entry] = field(default_factory=dict)  # what it has loaded, with fingerprints
+    last_error: str | None = None
+    failures: int = 0  # consecutive failed checks (bad status, malformed answer)
+    slow_since: float | None = None  # first of the current run of health-check timeouts (monotonic)
+    sync_failures: int = 0  # consecutive failed syncs: the backoff before the next one doubles
+    next_sync_at: float = 0.0
+    info: ServerInfo | None = None
+    sync_task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def load(self) -> int:
+        return max(self.inflight, self.engine_queue)
+
+    def observe(self, listed: dict[str, str]) -> None:
+        """The replica listed these adapters (name -> path): forget what it no longer holds at that path."""
+        for name in [name for name, entry in self.held.items() if listed.get(name) != entry.path]:
+            del self.held[name]
+
+    def holds(self, name: str, entry: Entry) -> bool:
+        """Whether the replica holds exactly `entry` under `name` (an unknown fingerprint on either side trusts
+        the path: after a proxy restart the ledger is the only record of what was loaded)."""
+        known = self.held.get(name)
+        if known is None or known.path != entry.path:
+            return False
+        return not (known.fingerprint and entry.fingerprint and known.fingerprint != entry.fingerprint)
+
+    def as_json(self) -> dict[str, object]:
+        return {"url": self.url, "state": self.state.value, "inflight": self.inflight, "routed": self.routed,
+                "adapters": dict(self.adapters), "last_error": self.last_error}
