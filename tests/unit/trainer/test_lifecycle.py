@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from lorafleet.logs import LogfmtFormatter
 from lorafleet_trainer import lifecycle as lc
 from lorafleet_trainer.lifecycle import GB, Limits, RunLifecycle, StoppedWhileWaiting, _ShieldedContext
 
@@ -142,3 +145,96 @@ def test_the_trainer_refuses_to_start_on_a_full_volume(tmp_path, monkeypatch):
         monkeypatch.setenv(key, value)
     assert main.main([]) == main.EXIT_PREFLIGHT
     assert not (tmp_path / "runs").exists()
+
+
+class FakeModel:
+    def save_pretrained(self, path: str, safe_serialization: bool = True) -> None:
+        Path(path).mkdir(parents=True)
+        (Path(path) / "adapter_config.json").write_text("{}")
+
+
+class FakeTrainer:
+    """What run_until_stopped touches of AsyncGRPOTrainer: train(), state, args, accelerator, _save_checkpoint."""
+
+    def __init__(self, run: Path, life: RunLifecycle, stop_at: int, raise_in_wait: bool = False) -> None:
+        self.args = SimpleNamespace(output_dir=str(run))
+        self.state = SimpleNamespace(global_step=0, max_steps=30)
+        self.accelerator = SimpleNamespace(is_main_process=True, num_processes=1, unwrap_model=lambda model: model)
+        self.model, self.model_version = FakeModel(), 0
+        self.life, self.stop_at, self.raise_in_wait = life, stop_at, raise_in_wait
+
+    def train(self, resume_from_checkpoint: str | None = None) -> None:
+        self.life.on_train_begin(None, self.state, None)
+        while self.state.global_step < self.state.max_steps:
+            if self.state.global_step == self.stop_at and self.raise_in_wait:
+                self.life._on_signal(signal.SIGTERM, None)
+                raise StoppedWhileWaiting(self.life.reason)
+            self.state.global_step += 1
+            self.model_version += 1
+            control = _step_end(self.life, self.state.global_step)
+            if control.should_save:
+                self._save_checkpoint(self.model, trial=None)
+            if control.should_training_stop:
+                return
+
+    def _save_checkpoint(self, model: FakeModel, trial: None) -> None:
+        path = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+        path.mkdir(parents=True)
+        (path / "trainer_state.json").write_text("{}")
+
+
+@pytest.fixture
+def events() -> Iterator[list[str]]:
+    """The trainer's log lines, as logfmt (whatever handlers an earlier test configured)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(LogfmtFormatter("trainer").format(record))  # type: ignore[method-assign]
+    logger = logging.getLogger("lorafleet_trainer")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_a_ceiling_checkpoints_exports_the_final_adapter_and_says_why(tmp_path, events):
+    from lorafleet_trainer.main import run_until_stopped
+
+    life = _lifecycle(steps=3)
+    trainer = FakeTrainer(tmp_path, life, stop_at=-1)
+    assert run_until_stopped(trainer, life, None) == 0
+    assert (tmp_path / "checkpoint-3" / "trainer_state.json").is_file()
+    assert (tmp_path / "final-adapter" / "adapter_config.json").is_file()
+    assert "event=stopped reason=run_max_steps step=3" in events[-1]
+
+
+def test_a_signal_during_the_rollout_wait_checkpoints_the_last_step_without_exporting(tmp_path, events):
+    from lorafleet_trainer.main import run_until_stopped
+
+    life = _lifecycle()
+    trainer = FakeTrainer(tmp_path, life, stop_at=2, raise_in_wait=True)  # SIGTERM while waiting after step 2
+    assert run_until_stopped(trainer, life, None) == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint-2"]  # no final adapter
+    assert "event=stopped reason=signal step=2" in events[-1]
+
+
+def test_a_signal_before_training_trains_nothing(tmp_path, events):
+    from lorafleet_trainer.main import run_until_stopped
+
+    life = _lifecycle()
+    life._on_signal(signal.SIGTERM, None)  # during the fleet checks or the model load
+    trainer = FakeTrainer(tmp_path, life, stop_at=-1)
+    assert run_until_stopped(trainer, life, None) == 0
+    assert trainer.state.global_step == 0 and not list(tmp_path.iterdir())
+    assert "event=stopped reason=signal step=None" in events[-1]
+
+
+def test_reaching_max_steps_is_finished_not_stopped(tmp_path, events):
+    from lorafleet_trainer.main import run_until_stopped
+
+    life = _lifecycle()
+    trainer = FakeTrainer(tmp_path, life, stop_at=-1)
+    trainer.state.max_steps = 2
+    assert run_until_stopped(trainer, life, None) == 0
+    assert (tmp_path / "final-adapter").is_dir()
+    assert "event=finished steps=2" in events[-1]
