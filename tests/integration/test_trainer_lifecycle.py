@@ -120,7 +120,7 @@ def _finish(trainer: Service, timeout_s: float) -> Start:
 
 
 def _trainer(start_trainer, name: str, root: Path, proxy: Service, run: str = RUN, **settings: Any) -> Service:
-    return start_trainer(name, root, run, proxy.url, HF_HUB_OFFLINE="1", SAVE_STEPS=1000, **settings)
+    return start_trainer(name, root, run, proxy.url, **{"HF_HUB_OFFLINE": "1", "SAVE_STEPS": 1000, **settings})
 
 
 def _version(checkpoint: Path) -> int:
