@@ -13,6 +13,7 @@ while its disk use is watched.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -37,6 +38,7 @@ pytestmark = pytest.mark.integration
 RUN = "lifecycle"
 WALL_RUN = "lifecycle-wall"
 KEEP = 2
+WALL_S = 60  # RUN_MAX_WALL_S of the wall run: startup (~20-40 s here) plus enough steps to show retention
 MAX_STALENESS = 4  # the replicas' and the trainer's default
 WAIT_S = 240  # for one trainer start to reach a given step on a busy 2-core box
 REPO = Path(__file__).resolve().parents[2]
@@ -124,8 +126,6 @@ def _trainer(start_trainer, name: str, root: Path, proxy: Service, run: str = RU
 
 
 def _version(checkpoint: Path) -> int:
-    import json
-
     return json.loads((checkpoint / "rollout_state.json").read_text())["model_version"]
 
 
@@ -314,9 +314,6 @@ def wall_start(fleet, root, start_trainer) -> Start:
     watcher.join()
     start.extra.update(peaks)
     return start
-
-
-WALL_S = 60
 
 
 def _size(path: Path) -> int:
