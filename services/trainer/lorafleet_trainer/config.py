@@ -43,8 +43,7 @@ class TrainerConfigs:
                     "learning_rate", "adam_beta2", "num_generations", "max_completion_length", "temperature",
                     "token_budget", "per_device_train_batch_size", "gradient_accumulation_steps",
                     "gradient_checkpointing", "bf16", "dtype", "max_inflight_tasks", "queue_maxsize",
-                    "max_staleness", "weight_sync_steps", "max_steps", "save_steps", "save_total_limit", "seed",
-                    "vllm_server_timeout",
+                    "max_staleness", "weight_sync_steps", "max_steps", "save_steps", "seed", "vllm_server_timeout",
                 )
             },
             "report_to": grpo.report_to,
@@ -90,7 +89,6 @@ def build_configs(settings: Settings, *, replicas: int, cuda: bool) -> TrainerCo
         max_steps=settings.max_steps,
         save_strategy="steps",
         save_steps=settings.save_steps,
-        save_total_limit=settings.checkpoint_keep or None,  # Trainer deletes the oldest beyond it; 0 = keep all
         logging_steps=1,
         seed=settings.seed,
         report_to=report_to,

@@ -30,6 +30,8 @@ from lorafleet.logs import log_event
 from lorafleet.settings import Settings
 from transformers import TrainerCallback
 
+from lorafleet_trainer.run_state import prune_checkpoints
+
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 GB = 1024**3
@@ -61,6 +63,7 @@ class Limits:
     max_steps: int  # steps this start may take; 0 = none
     min_free_bytes: int  # 0 = no guard
     volume: Path
+    keep_checkpoints: int = 0  # newest checkpoints kept after each save; 0 = all
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
@@ -69,6 +72,7 @@ class Limits:
             max_steps=settings.run_max_steps,
             min_free_bytes=int(settings.trainer_min_free_gb * GB),
             volume=settings.adapter_root,
+            keep_checkpoints=settings.checkpoint_keep,
         )
 
 
@@ -147,6 +151,10 @@ class RunLifecycle(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
 
+    def on_save(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        if state.is_world_process_zero:
+            prune_checkpoints(Path(args.output_dir), self.limits.keep_checkpoints)
+
     def check_health(self, worker_check: Callable[[float], None]) -> Callable[[float], None]:
         """Wrap TRL's rollout-worker health check, which the trainer calls every 5 s while no rollout arrives.
 
@@ -210,9 +218,10 @@ def stop_agreement(accelerator: Any) -> Callable[[bool], bool]:
     return any_rank
 
 
-def checkpoint_now(trainer: Any) -> Path:
+def checkpoint_now(trainer: Any, lifecycle: RunLifecycle) -> Path:
     """The checkpoint of the step reached, written unless that step already has a complete one."""
     path = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
     if not (path / "trainer_state.json").is_file():
         trainer._save_checkpoint(trainer.model, trial=None)  # TRL's override adds rollout_state.json
+        prune_checkpoints(path.parent, lifecycle.limits.keep_checkpoints)
     return path

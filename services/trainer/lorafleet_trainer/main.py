@@ -93,6 +93,10 @@ def train(settings: Settings, dry_run: bool = False) -> int:
         "attention": "fa3" if cuda and settings.trainer_attention != "torch" else "torch",
         "threads": None if cuda else settings.trainer_cpu_threads,
         "resume_from": checkpoint.path if checkpoint else None,
+        "checkpoint_keep": settings.checkpoint_keep,
+        "run_max_steps": settings.run_max_steps,
+        "run_max_wall_s": settings.run_max_wall_s,
+        "min_free_gb": settings.trainer_min_free_gb,
     }
     log_event(
         log, "effective_config", recipe=settings.trainer_recipe, base_model=settings.base_model, **runtime,
@@ -148,7 +152,7 @@ def run_until_stopped(trainer: Any, lifecycle: Any, resume_from: Any) -> int:
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except StoppedWhileWaiting:
-        checkpoint_now(trainer)
+        checkpoint_now(trainer, lifecycle)
     if not trainer.accelerator.is_main_process:
         return 0
     state, reason = trainer.state, lifecycle.reason
