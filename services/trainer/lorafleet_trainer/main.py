@@ -18,13 +18,16 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lorafleet.logs import configure, log_event
 from lorafleet.settings import ConfigError, Settings, env_name, load_settings
 from lorafleet.vllm_api import VLLMError
 
 from lorafleet_trainer.recipes import RECIPES
+
+if TYPE_CHECKING:
+    from lorafleet_trainer.lifecycle import RunLifecycle
 
 log = logging.getLogger("lorafleet_trainer")
 
@@ -140,7 +143,7 @@ def train(settings: Settings, dry_run: bool = False) -> int:
     return run_until_stopped(trainer, lifecycle, checkpoint.path if checkpoint else None)
 
 
-def run_until_stopped(trainer: Any, lifecycle: Any, resume_from: Any) -> int:
+def run_until_stopped(trainer: Any, lifecycle: RunLifecycle, resume_from: Path | None) -> int:
     """Train to MAX_STEPS or to an early stop; checkpoint, export what the outcome calls for, log the last line."""
     from lorafleet_trainer.lifecycle import CEILINGS, StoppedWhileWaiting, checkpoint_now, stop_agreement
     from lorafleet_trainer.run_state import export_final_adapter
