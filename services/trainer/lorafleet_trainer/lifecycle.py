@@ -144,6 +144,8 @@ class RunLifecycle(TrainerCallback):
     # -- Trainer hooks ---------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         self.first_step = state.global_step
+        # A resumed TrainerState brings the SAVE_STEPS of the run that wrote it; this start's setting wins.
+        state.save_steps = args.save_steps
 
     def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if self.agree(self.due(state.global_step) is not None):

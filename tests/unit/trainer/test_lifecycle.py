@@ -15,6 +15,8 @@ from lorafleet.logs import LogfmtFormatter
 from lorafleet_trainer import lifecycle as lc
 from lorafleet_trainer.lifecycle import GB, Limits, RunLifecycle, StoppedWhileWaiting, _ShieldedContext
 
+ARGS = SimpleNamespace(save_steps=50)
+
 
 class Clock:
     def __init__(self) -> None:
@@ -37,7 +39,7 @@ def _step_end(life: RunLifecycle, step: int) -> SimpleNamespace:
 
 def test_no_limits_never_stop():
     life = _lifecycle()
-    life.on_train_begin(None, SimpleNamespace(global_step=0), None)
+    life.on_train_begin(ARGS, SimpleNamespace(global_step=0), None)
     controls = [vars(_step_end(life, step)) for step in (1, 2)]
     assert controls == [{"should_save": False, "should_training_stop": False}] * 2
     assert life.reason is None
@@ -45,7 +47,9 @@ def test_no_limits_never_stop():
 
 def test_run_max_steps_counts_steps_of_this_start_only():
     life = _lifecycle(steps=2)
-    life.on_train_begin(None, SimpleNamespace(global_step=7), None)  # resumed at step 7
+    state = SimpleNamespace(global_step=7, save_steps=1000)  # resumed at step 7 from a run saving every 1000
+    life.on_train_begin(SimpleNamespace(save_steps=1), state, None)
+    assert state.save_steps == 1  # this start's SAVE_STEPS applies, not the checkpoint's
     assert not _step_end(life, 8).should_training_stop
     control = _step_end(life, 9)
     assert control.should_save and control.should_training_stop
@@ -55,7 +59,7 @@ def test_run_max_steps_counts_steps_of_this_start_only():
 def test_run_max_wall_s_counts_from_construction():
     clock = Clock()
     life = _lifecycle(wall=60, clock=clock)
-    life.on_train_begin(None, SimpleNamespace(global_step=0), None)
+    life.on_train_begin(ARGS, SimpleNamespace(global_step=0), None)
     clock.now += 59.9
     assert not _step_end(life, 1).should_training_stop
     clock.now += 0.1
@@ -66,7 +70,7 @@ def test_run_max_wall_s_counts_from_construction():
 def test_low_disk_refuses_with_figures_and_stops_with_a_checkpoint():
     life = _lifecycle(min_free=2 * GB, free=GB)
     assert "has 1.00 GB free, under TRAINER_MIN_FREE_GB=2" in life.low_disk()
-    life.on_train_begin(None, SimpleNamespace(global_step=0), None)
+    life.on_train_begin(ARGS, SimpleNamespace(global_step=0), None)
     assert _step_end(life, 1).should_save
     assert life.reason == lc.LOW_DISK
     assert _lifecycle(min_free=GB, free=GB).low_disk() is None
@@ -164,7 +168,7 @@ class FakeTrainer:
         self.life, self.stop_at, self.raise_in_wait = life, stop_at, raise_in_wait
 
     def train(self, resume_from_checkpoint: str | None = None) -> None:
-        self.life.on_train_begin(None, self.state, None)
+        self.life.on_train_begin(ARGS, self.state, None)
         while self.state.global_step < self.state.max_steps:
             if self.state.global_step == self.stop_at and self.raise_in_wait:
                 self.life._on_signal(signal.SIGTERM, None)
