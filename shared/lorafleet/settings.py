@@ -172,6 +172,18 @@ class Settings(BaseSettings):
     temperature: float = Field(1.0, gt=0, description="Rollout sampling temperature.")
     max_steps: int = Field(500, ge=1, description="Optimizer steps to train.")
     save_steps: int = Field(50, ge=1, description="Checkpoint every this many steps (resume after preemption).")
+    checkpoint_keep: int = Field(
+        2, ge=0, description="Newest checkpoints kept in the run folder (older ones deleted); 0 = keep all."
+    )
+    run_max_steps: int = Field(
+        0, ge=0, description="Steps one trainer start may take, then checkpoint + final adapter + exit 0; 0 = no limit."
+    )
+    run_max_wall_s: float = Field(
+        0.0, ge=0, description="Seconds one trainer start may run, then checkpoint + final adapter + exit 0; 0 = none."
+    )
+    trainer_min_free_gb: float = Field(
+        1.0, ge=0, description="Free GB the trainer needs on ADAPTER_ROOT: refuses to start / stops with a checkpoint."
+    )
     seed: int = Field(0, description="Training seed.")
     trainer_replicas: int = Field(
         0, ge=0, description="Replicas behind TRAINER_VLLM_URL; 0 = count the ready ones in the proxy's GET /fleet."

@@ -3,8 +3,9 @@
 Settings come from the environment (and .env) like every lorafleet service; each trainer setting
 also has a flag (`--learning-rate 1e-4` = LEARNING_RATE=1e-4, flags win). The recipe's defaults
 fill only what nobody set. Order of work: settings -> fleet size -> configs (printed) -> preflight
-(refuse what cannot serve adapter-only sync) -> sweep stale policy names -> train (resuming from
-the newest checkpoint) -> export <run>/final-adapter.
+(refuse what cannot serve adapter-only sync, or too little free disk) -> sweep stale policy names ->
+train (resuming from the newest checkpoint) -> export <run>/final-adapter. A signal, RUN_MAX_STEPS,
+RUN_MAX_WALL_S or low disk ends training early with a checkpoint and exit 0 (lifecycle.py).
 
 TRL spawns its rollout worker, which re-imports the main module: nothing may run at import time.
 """
@@ -16,13 +17,17 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from lorafleet.logs import configure, log_event
 from lorafleet.settings import ConfigError, Settings, env_name, load_settings
 from lorafleet.vllm_api import VLLMError
 
 from lorafleet_trainer.recipes import RECIPES
+
+if TYPE_CHECKING:
+    from lorafleet_trainer.lifecycle import RunLifecycle
 
 log = logging.getLogger("lorafleet_trainer")
 
@@ -33,7 +38,8 @@ FLAG_FIELDS = (
     "token_budget", "train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
     "max_inflight_per_replica", "queue_maxsize", "max_staleness", "weight_sync_steps", "max_steps", "save_steps",
     "seed", "trainer_precision", "trainer_resume", "trainer_report_to", "trainer_attention", "trainer_cpu_threads",
-    "trainer_server_timeout_s", "log_level",
+    "trainer_server_timeout_s", "log_level", "checkpoint_keep", "run_max_steps", "run_max_wall_s",
+    "trainer_min_free_gb",
 )
 EXIT_CONFIG = 2
 EXIT_PREFLIGHT = 3
@@ -70,9 +76,14 @@ def train(settings: Settings, dry_run: bool = False) -> int:
     from lorafleet_trainer.config import build_configs, score_queue_groups
     from lorafleet_trainer.cpu import install_cpu_support
     from lorafleet_trainer.fleet import PreflightError, fleet_size, prepare_fleet
+    from lorafleet_trainer.lifecycle import Limits, RunLifecycle, shield_rollout_worker
     from lorafleet_trainer.resilience import retry_control_calls
-    from lorafleet_trainer.run_state import MetricsJsonl, export_final_adapter, newest_checkpoint
+    from lorafleet_trainer.run_state import MetricsJsonl, newest_checkpoint
 
+    lifecycle = RunLifecycle(Limits.from_settings(settings))  # RUN_MAX_WALL_S counts from here
+    if not dry_run and (low_disk := lifecycle.low_disk()):
+        log_event(log, "refused", logging.ERROR, reason=f"refusing to start: {low_disk}")
+        return EXIT_PREFLIGHT
     cuda = torch.cuda.is_available()
     try:  # before anything touches the fleet: a forced kernel that cannot run here is a config error
         attention = choose_backend(settings.trainer_attention, cuda=cuda)
@@ -91,6 +102,10 @@ def train(settings: Settings, dry_run: bool = False) -> int:
         "attention": attention.backend,
         "threads": None if cuda else settings.trainer_cpu_threads,
         "resume_from": checkpoint.path if checkpoint else None,
+        "checkpoint_keep": settings.checkpoint_keep,
+        "run_max_steps": settings.run_max_steps,
+        "run_max_wall_s": settings.run_max_wall_s,
+        "min_free_gb": settings.trainer_min_free_gb,
     }
     log_event(
         log, "effective_config", recipe=settings.trainer_recipe, base_model=settings.base_model, **runtime,
@@ -98,6 +113,7 @@ def train(settings: Settings, dry_run: bool = False) -> int:
     )
     if dry_run:
         return 0
+    lifecycle.install_signal_handlers()
     try:
         if int(os.environ.get("RANK", "0")) == 0:  # under `accelerate launch`, one process talks to the fleet
             asyncio.run(prepare_fleet(settings, configs.lora))
@@ -124,14 +140,42 @@ def train(settings: Settings, dry_run: bool = False) -> int:
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=configs.lora,
-        callbacks=[MetricsJsonl(settings.metrics_path)],
+        callbacks=[MetricsJsonl(settings.metrics_path), lifecycle],
     )
     trainer.remove_callback(PrinterCallback)  # MetricsJsonl logs each step as one structured line instead
     bound_score_queue(trainer, score_queue_groups(configs.grpo.queue_maxsize, configs.grpo.num_generations))
-    trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
-    if trainer.accelerator.is_main_process:
-        final = export_final_adapter(trainer.accelerator.unwrap_model(trainer.model), settings.run_dir)
-        log_event(log, "finished", steps=trainer.state.global_step, model_version=trainer.model_version, adapter=final)
+    shield_rollout_worker(trainer, lifecycle)
+    return run_until_stopped(trainer, lifecycle, checkpoint.path if checkpoint else None)
+
+
+def run_until_stopped(trainer: Any, lifecycle: RunLifecycle, resume_from: Path | None) -> int:
+    """Train to MAX_STEPS or to an early stop; checkpoint, export what the outcome calls for, log the last line."""
+    from lorafleet_trainer.lifecycle import CEILINGS, StoppedWhileWaiting, checkpoint_now, stop_agreement
+    from lorafleet_trainer.run_state import export_final_adapter
+
+    lifecycle.agree = stop_agreement(trainer.accelerator)
+    if lifecycle.reason:  # signalled while the fleet was checked or the model loaded: nothing trained yet
+        log_event(log, "stopped", reason=lifecycle.reason, step=None, checkpoint=resume_from)
+        return 0
+    try:
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    except StoppedWhileWaiting:
+        checkpoint_now(trainer, lifecycle)
+    if not trainer.accelerator.is_main_process:
+        return 0
+    state, reason = trainer.state, lifecycle.reason
+    finished = reason is None or state.global_step >= state.max_steps
+    final = None
+    if finished or reason in CEILINGS:
+        final = export_final_adapter(trainer.accelerator.unwrap_model(trainer.model), Path(trainer.args.output_dir))
+    if finished:
+        log_event(log, "finished", steps=state.global_step, model_version=trainer.model_version, adapter=final)
+    else:
+        log_event(
+            log, "stopped", reason=reason, step=state.global_step, model_version=trainer.model_version,
+            checkpoint=Path(trainer.args.output_dir) / f"checkpoint-{state.global_step}", adapter=final,
+            resume="start again with the same RUN_NAME",
+        )
     return 0
 
 

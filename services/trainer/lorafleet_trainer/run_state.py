@@ -47,6 +47,30 @@ def newest_checkpoint(run_dir: Path) -> Checkpoint | None:
     return Checkpoint(path=path, step=step, model_version=version)
 
 
+def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints (by step number) and leftovers of crashed saves.
+
+    By step, not mtime (transformers' save_total_limit sorts by mtime, which a copied or restored run
+    folder scrambles). An incomplete checkpoint newer than the newest complete one is left alone: it may
+    be the one being written. keep=0 keeps everything.
+    """
+    if keep <= 0 or not run_dir.is_dir():
+        return []
+    found = sorted(
+        (int(match.group(1)), entry) for entry in run_dir.iterdir()
+        if (match := CHECKPOINT_PATTERN.match(entry.name)) and entry.is_dir()
+    )
+    complete = [step for step, entry in found if (entry / "trainer_state.json").is_file()]
+    kept = set(complete[-keep:])
+    newest = max(complete, default=-1)
+    doomed = [entry for step, entry in found if step not in kept and step < newest]
+    for entry in doomed:
+        shutil.rmtree(entry, ignore_errors=True)
+    if doomed:
+        log_event(log, "checkpoints_pruned", deleted=",".join(entry.name for entry in doomed), kept=len(kept))
+    return doomed
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None

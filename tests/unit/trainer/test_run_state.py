@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
-from lorafleet_trainer.run_state import MetricsJsonl, export_final_adapter, newest_checkpoint
+from lorafleet_trainer.run_state import MetricsJsonl, export_final_adapter, newest_checkpoint, prune_checkpoints
 
 
 def _checkpoint(run, step, version=None, complete=True):
@@ -72,3 +73,26 @@ def test_final_adapter_is_exported_and_replaced_whole(tmp_path):
     export_final_adapter(_Model("b"), tmp_path)
     assert json.loads((first / "adapter_config.json").read_text()) == {"marker": "b"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final-adapter"]  # no staging leftovers
+
+
+def test_pruning_keeps_the_newest_k_complete_checkpoints_by_step_number(tmp_path):
+    run = tmp_path / "run"
+    for step in (9, 10, 11, 12):
+        _checkpoint(run, step, version=step)
+    crashed = _checkpoint(run, 8, complete=False)  # a save that died halfway, older than the newest
+    writing = _checkpoint(run, 13, complete=False)  # newer than every complete one: maybe being written
+    os.utime(run / "checkpoint-9", (2e9, 2e9))  # mtime says newest; the step number decides
+    (run / "final-adapter").mkdir()
+    deleted = prune_checkpoints(run, keep=2)
+    assert sorted(path.name for path in deleted) == ["checkpoint-10", "checkpoint-8", "checkpoint-9"]
+    assert sorted(path.name for path in run.iterdir()) == ["checkpoint-11", "checkpoint-12", "checkpoint-13",
+                                                           "final-adapter"]
+    assert writing.exists() and not crashed.exists()
+    assert newest_checkpoint(run).step == 12
+
+
+def test_keep_zero_or_a_missing_folder_prunes_nothing(tmp_path):
+    for step in (1, 2, 3):
+        _checkpoint(tmp_path, step)
+    assert prune_checkpoints(tmp_path, keep=0) == [] and len(list(tmp_path.iterdir())) == 3
+    assert prune_checkpoints(tmp_path / "missing", keep=1) == []
