@@ -176,7 +176,7 @@ async def test_a_replica_dead_during_a_sync_is_ejected_and_the_sync_succeeds(fle
     view = await fleet.fleet()
     assert [r["state"] for r in view["replicas"]] == ["ready", "ejected"]
     assert "no answer during a broadcast" in view["replicas"][1]["last_error"]
-    assert metric_total((await fleet.http.get("/metrics")).text, "lorafleet_proxy_ejections_total") == 1
+    assert metric_total((await fleet.http.get("/metrics")).text, "lorafleet_proxy_replica_ejections_total") == 1
     assert fleet.fakes[0].paused
     assert (await fleet.load("trl-policy-v2")).status_code == 200
     assert (await fleet.http.post("/resume")).status_code == 200

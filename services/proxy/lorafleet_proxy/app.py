@@ -113,7 +113,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                     settings.proxy_block_size or DEFAULT_BLOCK_SIZE)
     ledger = Ledger(ledger_path(settings.adapter_root), settings.adapter_root)
     ledger.restore()
-    fleet = Fleet(settings, router, ledger, transport, on_eject=metrics.ejections.inc)
+    fleet = Fleet(settings, router, ledger, transport, metrics)
     forwarder = Forwarder(fleet, router, metrics, settings.proxy_request_timeout_s, settings.proxy_upstream_token)
 
     @asynccontextmanager
@@ -134,6 +134,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         response = await call
         metrics.broadcast_seconds.labels(op).observe(time.perf_counter() - started)
         metrics.broadcasts.labels(op, "ok" if response.status_code < 400 else str(response.status_code)).inc()
+        metrics.track_pause(fleet.paused_mode is not None)
         return response
 
     # --- generation ------------------------------------------------------------------------------
@@ -263,6 +264,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             metrics.replicas.labels(state.value).set(sum(r.state is state for r in fleet.replicas.values()))
         for replica in fleet.replicas.values():
             metrics.inflight.labels(replica.url).set(replica.inflight)
+            metrics.replica_adapters.labels(replica.url).set(len(replica.adapters))
         metrics.tracked_blocks.set(router.tracked_blocks)
         metrics.ledger_size.set(len(ledger))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -139,6 +139,7 @@ async def _load_one(replica: Replica, name: str, path: str, deadline: float) -> 
 async def _roll_back(fleet: Fleet, name: str, accepted: list[Replica], failed: list[tuple[Replica, VLLMError]],
                      total: int) -> JSONResponse:
     undone = await _each(fleet, accepted, lambda replica: replica.client.unload_lora_adapter(name))
+    fleet.metrics.rollbacks.labels("load").inc()
     for replica, result in _failures(undone):
         fleet.resync(replica, f"rollback unload of {name} failed: {result}")
     replica, first = failed[0]
@@ -208,6 +209,7 @@ async def pause(fleet: Fleet, mode: str) -> Response:
         if failed:
             paused = [replica for replica, result in results if not isinstance(result, VLLMError)]
             undone = await _each(fleet, paused, lambda replica: replica.client.resume())
+            fleet.metrics.rollbacks.labels("pause").inc()
             for replica, exc in _failures(undone):
                 fleet.resync(replica, f"resume after a partial pause failed: {exc}")
             context = f"pause failed on {len(failed)}/{len(targets)} replica(s); resumed the {len(paused)} paused"

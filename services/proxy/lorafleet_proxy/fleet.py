@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -23,6 +23,7 @@ from lorafleet.vllm_api import ServerInfo, VLLMClient, VLLMError, metric_total
 
 from .discovery import resolve
 from .ledger import Ledger
+from .metrics import Metrics
 from .router import Router
 
 log = logging.getLogger("lorafleet.proxy.fleet")
@@ -94,8 +95,7 @@ class Fleet:
     """The replicas, their states and the background loops that keep them in line with the ledger."""
 
     def __init__(self, settings: Settings, router: Router, ledger: Ledger,
-                 transport: httpx.AsyncBaseTransport | None = None,
-                 on_eject: Callable[[], None] = lambda: None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.router = router
         self.ledger = ledger
@@ -105,7 +105,7 @@ class Fleet:
         self.lock = asyncio.Lock()  # held by broadcasts and by a sync's final check: one consistent ledger view
         self.generation = 0  # bumped by every broadcast, so a health check can tell its snapshot is stale
         self.paused_mode: str | None = None  # the fleet is paused (a syncing replica is paused before it is ready)
-        self.on_eject = on_eject  # counts ejections in the app's metrics
+        self.metrics = metrics or Metrics()  # the app's: ejections, catch-up syncs, broadcast rollbacks
         self._tasks: list[asyncio.Task[None]] = []
         self._block_sizes: set[int] = set()
 
@@ -199,7 +199,7 @@ class Fleet:
         replica.adapters = {}
         replica.engine_queue = 0
         self.router.forget_replica(replica.url)
-        self.on_eject()
+        self.metrics.ejections.inc()
         log.warning("replica ejected url=%s failures=%d error=%s", replica.url, replica.failures, error)
 
     def resync(self, replica: Replica, reason: str) -> None:
@@ -248,7 +248,8 @@ class Fleet:
         """Load every ledger adapter (in order) onto the replica, unload the rest, then mark it ready."""
         replica.state = State.SYNCING
         self.router.forget_replica(replica.url)
-        deadline = time.monotonic() + self.settings.proxy_lora_load_timeout_s
+        started = time.monotonic()
+        deadline = started + self.settings.proxy_lora_load_timeout_s
         try:
             replica.info = await replica.client.server_info()
             self._adopt_block_size(replica)
@@ -263,6 +264,7 @@ class Fleet:
                         replica.adapters = actual
                         replica.state = State.READY
                         replica.last_error = None
+                        self.metrics.replica_sync_seconds.observe(time.monotonic() - started)
                         log.info("replica ready url=%s adapters=%s", replica.url, list(actual))
                         return
                 log.info("replica syncing url=%s unload=%s load=%s", replica.url, stale, [n for n, _ in missing])

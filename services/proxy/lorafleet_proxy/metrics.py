@@ -1,6 +1,14 @@
-"""The proxy's own Prometheus metrics, in a registry per app (tests build several apps in one process)."""
+"""The proxy's own Prometheus metrics, in a registry per app (tests build several apps in one process).
+
+Names follow Prometheus conventions: the `lorafleet_proxy_` prefix, base units in the name
+(`_seconds`), and counters exposed with `_total` (prometheus_client appends it). The Grafana
+dashboard (monitoring/grafana/dashboards/lorafleet.json) and the live test that runs its queries
+rely on these names: rename one here and there together.
+"""
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -13,13 +21,13 @@ class Metrics:
         r = self.registry
         self.requests = Counter("lorafleet_proxy_requests", "Requests served, by route and status.",
                                 ["route", "status"], registry=r)
-        self.upstream_latency = Histogram("lorafleet_proxy_upstream_latency_seconds",
+        self.upstream_latency = Histogram("lorafleet_proxy_upstream_request_duration_seconds",
                                           "Routed request time at the replica (until headers for streams).",
                                           ["route"], buckets=LATENCY_BUCKETS, registry=r)
         self.upstream_retries = Counter("lorafleet_proxy_upstream_retries",
                                         "Routed requests retried on another replica, by reason.", ["reason"],
                                         registry=r)
-        self.router = Counter("lorafleet_proxy_router_decisions", "Routing decisions by outcome.", ["outcome"],
+        self.router = Counter("lorafleet_proxy_routing_decisions", "Routing decisions by outcome.", ["outcome"],
                               registry=r)
         self.tracked_blocks = Gauge("lorafleet_proxy_router_tracked_blocks", "Blocks in the routing table.",
                                     registry=r)
@@ -28,9 +36,33 @@ class Metrics:
         self.broadcast_seconds = Histogram("lorafleet_proxy_broadcast_duration_seconds",
                                            "Duration of fleet-wide operations.", ["op"], buckets=LATENCY_BUCKETS,
                                            registry=r)
+        self.rollbacks = Counter("lorafleet_proxy_broadcast_rollbacks",
+                                 "Partial broadcasts undone on the replicas that had applied them, by operation.",
+                                 ["op"], registry=r)
         self.replicas = Gauge("lorafleet_proxy_replicas", "Replicas by membership state.", ["state"], registry=r)
-        self.inflight = Gauge("lorafleet_proxy_replica_inflight", "Requests in flight per replica.", ["replica"],
-                              registry=r)
+        self.inflight = Gauge("lorafleet_proxy_replica_inflight_requests", "Requests in flight per replica.",
+                              ["replica"], registry=r)
+        self.replica_adapters = Gauge("lorafleet_proxy_replica_adapters", "Adapters loaded per replica.",
+                                      ["replica"], registry=r)
+        self.replica_sync_seconds = Histogram("lorafleet_proxy_replica_sync_duration_seconds",
+                                              "Time a replica took to catch up with the ledger before it got traffic.",
+                                              buckets=LATENCY_BUCKETS, registry=r)
         self.ledger_size = Gauge("lorafleet_proxy_ledger_adapters", "Adapters in the fleet ledger.", registry=r)
-        self.ejections = Counter("lorafleet_proxy_ejections", "Replicas ejected after failed health checks.",
+        self.ejections = Counter("lorafleet_proxy_replica_ejections", "Replicas ejected after failed health checks.",
                                  registry=r)
+        self.paused = Gauge("lorafleet_proxy_fleet_paused", "1 while the replicas are paused (generation stalls).",
+                            registry=r)
+        self.pause_seconds = Histogram("lorafleet_proxy_pause_duration_seconds",
+                                       "How long the replicas stayed paused, pause to resume: the generation stall.",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self._paused_at: float | None = None
+
+    def track_pause(self, paused: bool) -> None:
+        """Record the fleet's pause state after a broadcast; a pause -> resume transition observes the stall."""
+        now = time.monotonic()
+        if paused and self._paused_at is None:
+            self._paused_at = now
+        elif not paused and self._paused_at is not None:
+            self.pause_seconds.observe(now - self._paused_at)
+            self._paused_at = None
+        self.paused.set(1 if paused else 0)

@@ -68,6 +68,7 @@ def train(settings: Settings, dry_run: bool = False) -> int:
 
     from lorafleet_trainer.config import build_configs, score_queue_groups
     from lorafleet_trainer.cpu import install_cpu_support, install_torch_attention
+    from lorafleet_trainer.exporter import exporter_callbacks
     from lorafleet_trainer.fleet import PreflightError, fleet_size, prepare_fleet
     from lorafleet_trainer.resilience import retry_control_calls
     from lorafleet_trainer.run_state import MetricsJsonl, export_final_adapter, newest_checkpoint
@@ -119,7 +120,7 @@ def train(settings: Settings, dry_run: bool = False) -> int:
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=configs.lora,
-        callbacks=[MetricsJsonl(settings.metrics_path)],
+        callbacks=[MetricsJsonl(settings.metrics_path), *exporter_callbacks(settings)],
     )
     trainer.remove_callback(PrinterCallback)  # MetricsJsonl logs each step as one structured line instead
     bound_score_queue(trainer, score_queue_groups(configs.grpo.queue_maxsize, configs.grpo.num_generations))
