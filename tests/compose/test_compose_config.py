@@ -30,6 +30,8 @@ def role(service: dict[str, Any]) -> str:
     """What a service is, from the Dockerfile it builds; one-shot helpers never restart."""
     if service.get("restart") == "no":
         return "one-shot"
+    if "monitoring" in service.get("profiles", []):
+        return "monitoring"
     dockerfile = (service.get("build") or {}).get("dockerfile", "")
     roles = [name for prefix, name in ROLE_BY_DOCKERFILE_DIR.items() if dockerfile.startswith(prefix)]
     assert len(roles) == 1, f"cannot tell the role of a service built from {dockerfile!r}"
@@ -180,7 +182,7 @@ def test_adapters_is_mounted_at_the_same_path_everywhere_with_the_right_modes(re
     long_running = [n for n, s in project["services"].items() if role(s) != "one-shot"]
     for name, svc in project["services"].items():
         adapters = mounts(svc, "adapters")
-        if role(svc) == "one-shot" and not adapters:
+        if role(svc) in ("one-shot", "monitoring") and not adapters:
             continue
         assert len(adapters) == 1, f"{name} mounts adapters {len(adapters)} times"
         (mount,) = adapters

@@ -132,8 +132,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     async def timed(op: str, call: Awaitable[Response]) -> Response:
         started = time.perf_counter()
         response = await call
-        metrics.broadcast_seconds.labels(op).observe(time.perf_counter() - started)
-        metrics.broadcasts.labels(op, "ok" if response.status_code < 400 else str(response.status_code)).inc()
+        metrics.broadcast_done(op, response.status_code, time.perf_counter() - started)
         metrics.track_pause(fleet.paused_mode is not None)
         return response
 

@@ -12,6 +12,11 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# Fleet-wide operations and the ones a partial failure rolls back: their series exist (at 0) from the start, so a
+# healthy fleet's dashboard shows "0 failures" rather than "no data".
+BROADCAST_OPS = ("load", "unload", "pause", "resume", "reset_prefix_cache")
+ROLLBACK_OPS = ("load", "pause")
+BROADCAST_OUTCOMES = ("ok", "rejected", "failed")  # 2xx/3xx, 4xx (the request), 5xx (the fleet)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 
 
@@ -31,7 +36,8 @@ class Metrics:
                               registry=r)
         self.tracked_blocks = Gauge("lorafleet_proxy_router_tracked_blocks", "Blocks in the routing table.",
                                     registry=r)
-        self.broadcasts = Counter("lorafleet_proxy_broadcasts", "Fleet-wide operations by operation and outcome.",
+        self.broadcasts = Counter("lorafleet_proxy_broadcasts",
+                                  "Fleet-wide operations by operation and outcome (ok, rejected = 4xx, failed = 5xx).",
                                   ["op", "outcome"], registry=r)
         self.broadcast_seconds = Histogram("lorafleet_proxy_broadcast_duration_seconds",
                                            "Duration of fleet-wide operations.", ["op"], buckets=LATENCY_BUCKETS,
@@ -56,6 +62,17 @@ class Metrics:
                                        "How long the replicas stayed paused, pause to resume: the generation stall.",
                                        buckets=LATENCY_BUCKETS, registry=r)
         self._paused_at: float | None = None
+        for op in BROADCAST_OPS:
+            for outcome in BROADCAST_OUTCOMES:
+                self.broadcasts.labels(op, outcome)
+        for op in ROLLBACK_OPS:
+            self.rollbacks.labels(op)
+
+    def broadcast_done(self, op: str, status: int, seconds: float) -> None:
+        """One fleet-wide operation answered with HTTP `status` after `seconds`."""
+        self.broadcast_seconds.labels(op).observe(seconds)
+        outcome = "ok" if status < 400 else "rejected" if status < 500 else "failed"
+        self.broadcasts.labels(op, outcome).inc()
 
     def track_pause(self, paused: bool) -> None:
         """Record the fleet's pause state after a broadcast; a pause -> resume transition observes the stall."""
