@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from lorafleet.adapters import metrics_path
-from lorafleet.processes import Service, proxy_service, replica_service, trainer_service, wait_healthy
+from lorafleet.processes import Service, free_port, proxy_service, replica_service, trainer_service, wait_healthy
 from lorafleet.status import adapter_span, fmt, latest, read_metrics
 from lorafleet.vllm_api import metric_total
 
@@ -170,9 +170,13 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         started.append(proxy.start())
         wait_healthy([proxy], timeout_s=60)
         _say(f"==> proxy ready at {proxy.url}; training {options.steps} steps on the tiny recipe")
+        metrics_port = free_port()
         trainer = trainer_service("trainer", {**common, "TRAINER_RECIPE": "tiny", "TRAINER_VLLM_URL": proxy.url,
-                                              "MAX_STEPS": str(options.steps)}, logs)
+                                              "MAX_STEPS": str(options.steps),
+                                              "TRAINER_METRICS_PORT": str(metrics_port)}, logs)
         started.append(trainer.start())
+        _say(f"    Prometheus metrics while it runs: proxy {proxy.url}/metrics, trainer "
+             f"http://127.0.0.1:{metrics_port}/metrics, replicas {', '.join(r.url + '/metrics' for r in replicas)}")
         metrics_file = metrics_path(adapter_root, "demo")
         fleet: dict[str, Any] = {}
         with httpx.Client(timeout=10) as client:
