@@ -6,13 +6,14 @@ DNS names) is replaced by the localhost addresses of the session's two replicas,
 and a real trainer running the tiny recipe with its exporter on. Every PromQL expression of
 monitoring/grafana/dashboards/lorafleet.json is then run through Prometheus's HTTP API while the trainer
 trains; one that has not returned a finite value by the deadline (or the trainer's end) fails the test,
-naming its panel.
+naming its panel. `promtool check metrics` lints what the proxy and the trainer serve.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -114,6 +115,10 @@ def test_every_dashboard_query_returns_data_from_a_real_fleet(
                            + f"\ntrainer log:\n{trainer.log_tail(30)}")
         assert up == {"proxy": "1", "replicas": "1", "trainer": "1"}
         assert not query(prometheus.url, "lorafleet_proxy_no_such_metric"), "the emptiness check cannot fail"
+        for name, url in (("proxy", proxy.url), ("trainer", f"http://127.0.0.1:{trainer_port}")):
+            lint = subprocess.run([debian_tool("promtool"), "check", "metrics"], input=httpx.get(url + "/metrics").text,
+                                  capture_output=True, text=True, timeout=30, check=False)
+            assert lint.returncode == 0, f"{name}'s metrics break Prometheus naming: {lint.stdout}{lint.stderr}"
         replicas_up = query(prometheus.url, 'count(up{job="replicas"} == 1)')
         assert replicas_up == [len(replicas)], f"Prometheus scrapes {replicas_up} of {len(replicas)} replicas"
     finally:
