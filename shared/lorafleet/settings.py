@@ -155,8 +155,9 @@ class Settings(BaseSettings):
     )
     trainer_resume: bool = Field(True, description="Resume from the newest checkpoint in the run folder if any.")
     trainer_report_to: str = Field("none", description="Comma-separated report_to backends (none, wandb, trackio).")
-    trainer_attention: Literal["auto", "fa3", "torch"] = Field(
-        "auto", description="Training attention kernel: auto = FA3 from the Hub on GPU, pure PyTorch on CPU."
+    trainer_attention: Literal["auto", "fa3", "builtin", "torch"] = Field(
+        "auto", description="Training attention kernel: auto = the Hub's FA3 on GPU if it can be fetched, else "
+        "torch's built-in varlen FlashAttention (builtin); pure PyTorch (torch) on CPU.",
     )
     trainer_cpu_threads: int = Field(
         1, ge=0, description="CPU mode: torch threads of the trainer (0 = torch's default); replicas use the rest."

@@ -66,14 +66,20 @@ def train(settings: Settings, dry_run: bool = False) -> int:
     """Build and run the trainer; returns the process exit code."""
     import torch
 
+    from lorafleet_trainer.attention import UnsupportedAttention, choose_backend, install
     from lorafleet_trainer.config import build_configs, score_queue_groups
-    from lorafleet_trainer.cpu import install_cpu_support, install_torch_attention
+    from lorafleet_trainer.cpu import install_cpu_support
     from lorafleet_trainer.exporter import exporter_callbacks
     from lorafleet_trainer.fleet import PreflightError, fleet_size, prepare_fleet
     from lorafleet_trainer.resilience import retry_control_calls
     from lorafleet_trainer.run_state import MetricsJsonl, export_final_adapter, newest_checkpoint
 
     cuda = torch.cuda.is_available()
+    try:  # before anything touches the fleet: a forced kernel that cannot run here is a config error
+        attention = choose_backend(settings.trainer_attention, cuda=cuda)
+    except UnsupportedAttention as exc:
+        raise ConfigError(str(exc)) from exc
+    log_event(log, "attention_backend", backend=attention.backend, reason=attention.reason)
     try:
         replicas = settings.trainer_replicas or (1 if dry_run else asyncio.run(fleet_size(settings)))
     except (PreflightError, VLLMError) as exc:
@@ -83,7 +89,7 @@ def train(settings: Settings, dry_run: bool = False) -> int:
     checkpoint = newest_checkpoint(settings.run_dir) if settings.trainer_resume else None
     runtime = {
         "device": "cuda" if cuda else "cpu",
-        "attention": "fa3" if cuda and settings.trainer_attention != "torch" else "torch",
+        "attention": attention.backend,
         "threads": None if cuda else settings.trainer_cpu_threads,
         "resume_from": checkpoint.path if checkpoint else None,
     }
@@ -101,8 +107,7 @@ def train(settings: Settings, dry_run: bool = False) -> int:
         return EXIT_PREFLIGHT
     if not cuda:
         install_cpu_support(settings.trainer_cpu_threads)
-    elif settings.trainer_attention == "torch":
-        install_torch_attention()
+    install(attention.backend)
     retry_control_calls()  # a proxy restart mid-sync must not kill the run
     if checkpoint:
         log_event(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lorafleet_trainer.cpu import flash_attn_varlen_func, install_cpu_support
+from lorafleet_trainer.attention import install
+from lorafleet_trainer.attention import torch_varlen_func as flash_attn_varlen_func
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl.experimental.async_grpo.packing import TREE_ATTENTION, TreeRow, register_tree_attention
 
@@ -78,7 +79,7 @@ def _sample(ids: list[int], prompt_len: int, group: int) -> dict:
 
 def test_trl_tree_attention_packing_equals_plain_causal_attention_per_sample():
     """TRL's own tree_attention + TreeRow packing, with our kernel, reproduce each sample's separate forward."""
-    install_cpu_support()
+    install("torch")
     register_tree_attention()
     plain, tree = _tiny_qwen2("eager"), _tiny_qwen2(TREE_ATTENTION)
     tree.load_state_dict(plain.state_dict())
