@@ -10,8 +10,13 @@ PYTHON      ?= python3
 BIN         := $(VENV)/bin
 REPLICAS    ?=
 CPU         ?=
+MONITORING  ?=
+COMMA       := ,
 # make up CPU=1: the cpu profile (vllm-cpu + trainer-cpu) instead of the GPU services (default: COMPOSE_PROFILES in .env)
-PROFILE_ENV := $(if $(CPU),COMPOSE_PROFILES=cpu)
+# make up MONITORING=1: the monitoring profile too (Prometheus on 127.0.0.1:9090, Grafana on 127.0.0.1:3000)
+ENV_PROFILES := $(shell sed -n 's/^COMPOSE_PROFILES=//p' .env 2>/dev/null | tail -n 1)
+BASE_PROFILE := $(if $(CPU),cpu,$(or $(COMPOSE_PROFILES),$(ENV_PROFILES),gpu))
+PROFILE_ENV := $(if $(CPU)$(MONITORING),COMPOSE_PROFILES=$(BASE_PROFILE)$(if $(MONITORING),$(COMMA)monitoring))
 REPLICA_SVC := $(if $(CPU),vllm-cpu,vllm)
 DOCTOR_SVC  := $(if $(CPU),doctor-cpu,doctor)
 COMPOSE     ?= docker compose
@@ -92,7 +97,7 @@ doctor: ## Preflight checklist against the running fleet (PASS/WARN/FAIL); PROBE
 	$(PROFILE_ENV) $(COMPOSE) --profile $(DOCTOR_SVC) run --rm --no-deps $(DOCTOR_SVC) $(DOCTOR_ARGS); \
 	else $(BIN)/lorafleet doctor $(DOCTOR_ARGS); fi
 
-up: ## Start the stack and wait until healthy: make up [REPLICAS=3] [CPU=1]
+up: ## Start the stack and wait until healthy: make up [REPLICAS=3] [CPU=1] [MONITORING=1]
 	@test -f .env || { echo "no .env: cp .env.example .env and set PROXY_API_KEY"; exit 2; }
 	$(PROFILE_ENV) $(COMPOSE) up -d --wait $(if $(REPLICAS),--scale $(REPLICA_SVC)=$(REPLICAS))
 

@@ -204,6 +204,10 @@ class Settings(BaseSettings):
     trainer_server_timeout_s: float = Field(
         240.0, gt=0, description="Seconds the trainer waits for TRAINER_VLLM_URL to answer /health."
     )
+    trainer_metrics_host: str = Field("127.0.0.1", description="Address the trainer's Prometheus /metrics binds to.")
+    trainer_metrics_port: int = Field(
+        9400, ge=0, le=65535, description="Port of the trainer's Prometheus /metrics (TRL's logged values); 0 = off."
+    )
 
     @field_validator("run_name")
     @classmethod

@@ -25,6 +25,8 @@ TRAINERS = {"trainer", "trainer-cpu"}
 REPLICAS = {"vllm", "vllm-cpu"}
 # The operator's one-shot checklist (`make doctor`, `docker compose run doctor`): it asks each replica directly.
 OPERATORS = {"doctor", "doctor-cpu"}
+# The monitoring profile's Prometheus scrapes /metrics of the proxy, the trainer and every replica; it holds no key.
+SCRAPERS = {"prometheus"}
 
 
 def members(project: dict[str, Any], network: str) -> set[str]:
@@ -48,7 +50,7 @@ def fleet_port_exposures(project: dict[str, Any]) -> list[str]:
     for network in homes:
         if not project["networks"][network].get("internal"):
             problems.append(f"the fleet port's network {network} is not internal")
-        strangers = members(project, network) - TRAINERS - OPERATORS - {"proxy"}
+        strangers = members(project, network) - TRAINERS - OPERATORS - SCRAPERS - {"proxy"}
         if strangers:
             problems.append(f"{sorted(strangers)} share the fleet port's network {network}")
         if not members(project, network) & TRAINERS:
@@ -70,7 +72,7 @@ def replica_exposures(project: dict[str, Any]) -> list[str]:
         for network in svc.get("networks") or {}:
             if not project["networks"][network].get("internal"):
                 problems.append(f"{name} is on {network}, which has a route out")
-            strangers = members(project, network) - REPLICAS - OPERATORS - {"proxy"}
+            strangers = members(project, network) - REPLICAS - OPERATORS - SCRAPERS - {"proxy"}
             if strangers:
                 problems.append(f"{sorted(strangers)} can reach {name} on {network}, bypassing the proxy")
         if svc["environment"].get("HF_HUB_OFFLINE") != "1":

@@ -67,7 +67,7 @@ class Ports:
         """How many broadcast pauses held the replicas until a resume (the pause-held histogram's count)."""
         text = (await self.fleet.get("/metrics")).text
         return next(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-                    if sample.name == "lorafleet_proxy_pause_held_seconds_count")
+                    if sample.name == "lorafleet_proxy_pause_duration_seconds_count")
 
 
 @pytest.fixture

@@ -123,6 +123,9 @@ async def test_failed_load_on_one_replica_rolls_back_and_returns_its_error(fleet
     assert fleet.fakes[0].loads() == ["trl-policy-v1"], "the healthy replica was never asked"
     assert all(fake.adapters == {} for fake in fleet.fakes), "the accepted load was not rolled back"
     assert (await fleet.fleet())["ledger"] == []
+    text = (await fleet.http.get("/metrics")).text
+    assert 'lorafleet_proxy_broadcast_rollbacks_total{op="load"} 1.0' in text
+    assert 'lorafleet_proxy_broadcasts_total{op="load",outcome="failed"} 1.0' in text
 
 
 async def test_lagging_volume_is_retried_per_replica_until_it_appears(fleet: Fleet) -> None:
@@ -176,6 +179,7 @@ async def test_partial_pause_is_compensated_and_mode_is_kept(fleet: Fleet) -> No
     assert ENGINE_DEAD in response.json()["error"]["message"]
     assert ("/pause", "keep") in fleet.fakes[0].calls
     assert fleet.fakes[0].paused is None, "the replica that paused was not resumed"
+    assert 'lorafleet_proxy_broadcast_rollbacks_total{op="pause"} 1.0' in (await fleet.http.get("/metrics")).text
 
     fleet.fakes[1].faults.pause_fails = False
     assert (await fleet.http.post("/pause", params={"mode": "keep"})).json() == {"status": "paused"}
@@ -183,6 +187,9 @@ async def test_partial_pause_is_compensated_and_mode_is_kept(fleet: Fleet) -> No
     assert (await fleet.http.get("/is_paused")).json() == {"is_paused": True}
     assert (await fleet.http.post("/resume")).json() == {"status": "resumed"}
     assert [fake.paused for fake in fleet.fakes] == [None, None]
+    text = (await fleet.http.get("/metrics")).text
+    assert "lorafleet_proxy_pause_duration_seconds_count 1.0" in text  # one stall: the failed pause was undone
+    assert "lorafleet_proxy_fleet_paused 0.0" in text
     bad = await fleet.http.post("/pause", params={"mode": "later"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "query.mode"
 
@@ -198,7 +205,7 @@ async def test_a_replica_dead_during_a_sync_is_ejected_and_the_sync_succeeds(fle
     view = await fleet.fleet()
     assert [r["state"] for r in view["replicas"]] == ["ready", "ejected"]
     assert "no answer during a broadcast" in view["replicas"][1]["last_error"]
-    assert metric_total((await fleet.http.get("/metrics")).text, "lorafleet_proxy_ejections_total") == 1
+    assert metric_total((await fleet.http.get("/metrics")).text, "lorafleet_proxy_replica_ejections_total") == 1
     assert fleet.fakes[0].paused
     assert (await fleet.load("trl-policy-v2")).status_code == 200
     assert (await fleet.http.post("/resume")).status_code == 200
@@ -309,6 +316,8 @@ async def test_server_info_models_health_metrics(fleet: Fleet) -> None:
     text = (await fleet.http.get("/metrics")).text
     assert 'lorafleet_proxy_broadcasts_total{op="load",outcome="ok"} 1.0' in text
     assert 'lorafleet_proxy_replicas{state="ready"} 2.0' in text
+    assert all(f'lorafleet_proxy_replica_adapters{{replica="{server.url}"}} 1.0' in text for server in fleet.servers)
+    assert "lorafleet_proxy_replica_sync_duration_seconds_count 2.0" in text
     assert 'lorafleet_proxy_requests_total{route="/v1/load_lora_adapter",status="200"} 1.0' in text
 
 

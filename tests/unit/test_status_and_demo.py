@@ -88,7 +88,7 @@ def _proxy_metrics() -> str:
 
     metrics = Metrics()
     metrics.pauses_elided.inc(7)
-    metrics.pause_held_seconds.observe(0.02)
+    metrics.pause_seconds.observe(0.02)
     for _ in range(11):
         metrics.broadcast_seconds.labels("load").observe(0.05)
     metrics.broadcast_seconds.labels("pause").observe(9.0)

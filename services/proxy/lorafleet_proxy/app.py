@@ -137,8 +137,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     async def timed(op: str, call: Awaitable[Response]) -> Response:
         started = time.perf_counter()
         response = await call
-        metrics.broadcast_seconds.labels(op).observe(time.perf_counter() - started)
-        metrics.broadcasts.labels(op, "ok" if response.status_code < 400 else str(response.status_code)).inc()
+        metrics.broadcast_done(op, response.status_code, time.perf_counter() - started)
+        metrics.track_pause(fleet.ledger.paused is not None)  # pause -> resume observes the generation stall
         return response
 
     # --- generation: served by GenerationFront (generation.py) before FastAPI; these routes document them ---
@@ -163,19 +163,13 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         if elision.elide_pause(request.scope, mode):
             metrics.pauses_elided.inc()
             return JSONResponse({"status": "paused"})
-        response = await timed("pause", broadcast.pause(fleet, mode))
-        if response.status_code == 200:
-            elision.broadcast_paused()
-        return response
+        return await timed("pause", broadcast.pause(fleet, mode))
 
     @app.post("/resume")
     async def resume(request: Request) -> Response:
         if elision.elide_resume(request.scope):
             return JSONResponse({"status": "resumed"})
-        response = await timed("resume", broadcast.resume(fleet))
-        if (held := elision.broadcast_resumed()) is not None:
-            metrics.pause_held_seconds.observe(held)
-        return response
+        return await timed("resume", broadcast.resume(fleet))
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(query: Annotated[ResetPrefixCacheQuery, Query()]) -> Response:
@@ -283,6 +277,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             metrics.replicas.labels(state.value).set(sum(r.state is state for r in fleet.replicas.values()))
         for replica in fleet.replicas.values():
             metrics.inflight.labels(replica.url).set(replica.inflight)
+            metrics.replica_adapters.labels(replica.url).set(len(replica.adapters))
         metrics.tracked_blocks.set(router.tracked_blocks)
         metrics.ledger_size.set(len(ledger))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -194,6 +194,7 @@ async def _unload_from(fleet: Fleet, name: str, replicas: list[Replica], why: st
 async def _roll_back(fleet: Fleet, name: str, accepted: list[Replica], failed: list[tuple[Replica, VLLMError]],
                      total: int) -> JSONResponse:
     await _unload_from(fleet, name, accepted, "rollback")
+    fleet.metrics.rollbacks.labels("load").inc()
     replica, first = failed[0]
     context = (f"{len(failed)}/{total} replica(s) failed to load {name!r}, first {replica.url}; "
                f"rolled back on {len(accepted)}")
@@ -301,6 +302,7 @@ async def pause(fleet: Fleet, mode: str) -> Response:
         if failed:
             if previous is None:
                 await _set_pause(fleet, paused, None, "resume after a partial pause failed")
+            fleet.metrics.rollbacks.labels("pause").inc()
             context = (f"pause failed on {len(failed)}/{len(targets)} replica(s); the {len(paused)} paused are "
                        f"back to the fleet's previous state ({'paused' if previous else 'running'})")
             log.warning("pause failed mode=%s %s: %s", mode, context, failed[0][1])

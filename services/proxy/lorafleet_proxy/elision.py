@@ -9,8 +9,6 @@ a `keep` pause from the fleet port (the trainer's) and the resume that follows i
 
 from __future__ import annotations
 
-import time
-
 from starlette.types import Scope
 
 # BearerAuth sets this key in the scope of every request that came in on the public port.
@@ -24,14 +22,12 @@ def on_public_port(scope: Scope) -> bool:
 class PauseElision:
     """Decides, per request, whether a pause or resume is elided; remembers an elided pause until its resume.
 
-    It also times how long a broadcast pause held the replicas (until the next resume): the generation
-    stall a sync costs when it is not elided.
+    How long a broadcast pause held the replicas is timed by the metrics (`Metrics.track_pause`).
     """
 
     def __init__(self, mode: str) -> None:
         self.enabled = mode == "elide"
         self.pending = False  # a keep pause was elided and its resume has not come yet
-        self.held_since: float | None = None  # when a broadcast pause succeeded, until the next resume
 
     def elide_pause(self, scope: Scope, mode: str) -> bool:
         # A broadcast pause clears an earlier elided one: the resume that follows must reach the replicas.
@@ -44,12 +40,3 @@ class PauseElision:
             self.pending = False
             return True
         return False
-
-    def broadcast_paused(self) -> None:
-        if self.held_since is None:
-            self.held_since = time.monotonic()
-
-    def broadcast_resumed(self) -> float | None:
-        """Seconds the replicas were held paused, or None when they were not."""
-        held, self.held_since = self.held_since, None
-        return None if held is None else time.monotonic() - held

@@ -88,8 +88,9 @@ class Fleet:
             replica.state = State.EJECTED
             self.router.forget_replica(url)
             self._retired.append(replica)
-            with contextlib.suppress(KeyError):
-                self.metrics.inflight.remove(url)
+            for per_replica in (self.metrics.inflight, self.metrics.replica_adapters):
+                with contextlib.suppress(KeyError):
+                    per_replica.remove(url)
             log.warning("replica removed url=%s (no longer discovered) state=%s", url, replica.state)
 
     def loops_alive(self) -> bool:

@@ -1,9 +1,22 @@
-"""The proxy's own Prometheus metrics, in a registry per app (tests build several apps in one process)."""
+"""The proxy's own Prometheus metrics, in a registry per app (tests build several apps in one process).
+
+Names follow Prometheus conventions: the `lorafleet_proxy_` prefix, base units in the name
+(`_seconds`), and counters exposed with `_total` (prometheus_client appends it). The Grafana
+dashboard (monitoring/grafana/dashboards/lorafleet.json) and the live test that runs its queries
+rely on these names: rename one here and there together.
+"""
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# Fleet-wide operations and the ones a partial failure rolls back: their series exist (at 0) from the start, so a
+# healthy fleet's dashboard shows "0 failures" rather than "no data".
+BROADCAST_OPS = ("load", "unload", "pause", "resume", "reset_prefix_cache")
+ROLLBACK_OPS = ("load", "pause")
+BROADCAST_OUTCOMES = ("ok", "rejected", "failed")  # 2xx/3xx, 4xx (the request), 5xx (the fleet)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 
 
@@ -13,34 +26,44 @@ class Metrics:
         r = self.registry
         self.requests = Counter("lorafleet_proxy_requests", "Requests served, by route and status.",
                                 ["route", "status"], registry=r)
-        self.upstream_latency = Histogram("lorafleet_proxy_upstream_latency_seconds",
+        self.upstream_latency = Histogram("lorafleet_proxy_upstream_request_duration_seconds",
                                           "Routed request time at the replica (until headers for streams).",
                                           ["route"], buckets=LATENCY_BUCKETS, registry=r)
         self.upstream_retries = Counter("lorafleet_proxy_upstream_retries",
                                         "Routed requests retried on another replica, by reason.", ["reason"],
                                         registry=r)
-        self.router = Counter("lorafleet_proxy_router_decisions", "Routing decisions by outcome.", ["outcome"],
+        self.router = Counter("lorafleet_proxy_routing_decisions", "Routing decisions by outcome.", ["outcome"],
                               registry=r)
         self.tracked_blocks = Gauge("lorafleet_proxy_router_tracked_blocks", "Blocks in the routing table.",
                                     registry=r)
-        self.broadcasts = Counter("lorafleet_proxy_broadcasts", "Fleet-wide operations by operation and outcome.",
+        self.broadcasts = Counter("lorafleet_proxy_broadcasts",
+                                  "Fleet-wide operations by operation and outcome (ok, rejected = 4xx, failed = 5xx).",
                                   ["op", "outcome"], registry=r)
         self.broadcast_seconds = Histogram("lorafleet_proxy_broadcast_duration_seconds",
                                            "Duration of fleet-wide operations.", ["op"], buckets=LATENCY_BUCKETS,
                                            registry=r)
+        self.rollbacks = Counter("lorafleet_proxy_broadcast_rollbacks",
+                                 "Partial broadcasts undone on the replicas that had applied them, by operation.",
+                                 ["op"], registry=r)
         self.replicas = Gauge("lorafleet_proxy_replicas", "Replicas by membership state.", ["state"], registry=r)
-        self.inflight = Gauge("lorafleet_proxy_replica_inflight", "Requests in flight per replica.", ["replica"],
-                              registry=r)
+        self.inflight = Gauge("lorafleet_proxy_replica_inflight_requests", "Requests in flight per replica.",
+                              ["replica"], registry=r)
+        self.replica_adapters = Gauge("lorafleet_proxy_replica_adapters", "Adapters loaded per replica.",
+                                      ["replica"], registry=r)
+        self.replica_sync_seconds = Histogram("lorafleet_proxy_replica_sync_duration_seconds",
+                                              "Time a replica took to catch up with the ledger before it got traffic.",
+                                              buckets=LATENCY_BUCKETS, registry=r)
         self.ledger_size = Gauge("lorafleet_proxy_ledger_adapters", "Adapters in the fleet ledger.", registry=r)
+        self.ejections = Counter("lorafleet_proxy_replica_ejections", "Replicas ejected after failed health checks.",
+                                 registry=r)
+        self.paused = Gauge("lorafleet_proxy_fleet_paused", "1 while the replicas are paused (generation stalls).",
+                            registry=r)
+        self.pause_seconds = Histogram("lorafleet_proxy_pause_duration_seconds",
+                                       "How long the replicas stayed paused, pause to resume: the generation stall.",
+                                       buckets=LATENCY_BUCKETS, registry=r)
         self.pauses_elided = Counter("lorafleet_proxy_pauses_elided",
                                      "Keep pauses from the fleet port answered without pausing replicas "
                                      "(PROXY_SYNC_PAUSE=elide).", registry=r)
-        self.pause_held_seconds = Histogram("lorafleet_proxy_pause_held_seconds",
-                                            "Time replicas stayed paused, from a broadcast pause to the next resume "
-                                            "(the generation stall a pause costs).", buckets=LATENCY_BUCKETS,
-                                            registry=r)
-        self.ejections = Counter("lorafleet_proxy_ejections", "Replicas ejected after failed health checks.",
-                                 registry=r)
         self.loop_errors = Counter("lorafleet_proxy_loop_errors", "Unexpected errors survived by the supervised "
                                    "loops (health, dns) and by replica syncs, by loop.", ["loop"], registry=r)
         self.check_failures = Counter("lorafleet_proxy_replica_check_failures", "Failed replica checks by kind "
@@ -49,3 +72,25 @@ class Metrics:
                                        "the ledger file was unusable.", registry=r)
         self.ledger_write_failures = Counter("lorafleet_proxy_ledger_write_failures", "Ledger writes that failed "
                                              "(the broadcast that needed them failed).", registry=r)
+        self._paused_at: float | None = None
+        for op in BROADCAST_OPS:
+            for outcome in BROADCAST_OUTCOMES:
+                self.broadcasts.labels(op, outcome)
+        for op in ROLLBACK_OPS:
+            self.rollbacks.labels(op)
+
+    def broadcast_done(self, op: str, status: int, seconds: float) -> None:
+        """One fleet-wide operation answered with HTTP `status` after `seconds`."""
+        self.broadcast_seconds.labels(op).observe(seconds)
+        outcome = "ok" if status < 400 else "rejected" if status < 500 else "failed"
+        self.broadcasts.labels(op, outcome).inc()
+
+    def track_pause(self, paused: bool) -> None:
+        """Record the fleet's pause state after a broadcast; a pause -> resume transition observes the stall."""
+        now = time.monotonic()
+        if paused and self._paused_at is None:
+            self._paused_at = now
+        elif not paused and self._paused_at is not None:
+            self.pause_seconds.observe(now - self._paused_at)
+            self._paused_at = None
+        self.paused.set(1 if paused else 0)

@@ -78,7 +78,10 @@ async def sync(fleet: Fleet, replica: Replica) -> None:
     timeout = fleet.settings.proxy_lora_load_timeout_s
     try:
         async with asyncio.timeout(timeout):
-            await _sync(fleet, replica, time.monotonic() + timeout)
+            started = time.monotonic()
+            await _sync(fleet, replica, started + timeout)
+            if replica.state is State.READY:
+                fleet.metrics.replica_sync_seconds.observe(time.monotonic() - started)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # any failure of one replica's sync stays with that replica

@@ -75,6 +75,7 @@ def train(settings: Settings, dry_run: bool = False) -> int:
     from lorafleet_trainer.attention import UnsupportedAttention, choose_backend, install
     from lorafleet_trainer.config import build_configs, score_queue_groups
     from lorafleet_trainer.cpu import install_cpu_support
+    from lorafleet_trainer.exporter import exporter_callbacks
     from lorafleet_trainer.fleet import PreflightError, fleet_size, prepare_fleet
     from lorafleet_trainer.lifecycle import Limits, RunLifecycle, shield_rollout_worker
     from lorafleet_trainer.resilience import retry_control_calls
@@ -140,7 +141,7 @@ def train(settings: Settings, dry_run: bool = False) -> int:
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=configs.lora,
-        callbacks=[MetricsJsonl(settings.metrics_path), lifecycle],
+        callbacks=[MetricsJsonl(settings.metrics_path), lifecycle, *exporter_callbacks(settings)],
     )
     trainer.remove_callback(PrinterCallback)  # MetricsJsonl logs each step as one structured line instead
     bound_score_queue(trainer, score_queue_groups(configs.grpo.queue_maxsize, configs.grpo.num_generations))

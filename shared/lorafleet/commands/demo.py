@@ -23,7 +23,7 @@ import httpx
 
 from lorafleet.adapters import metrics_path, policy_version
 from lorafleet.commands.status import adapter_span, fmt, latest, read_metrics
-from lorafleet.processes import Service, proxy_service, replica_service, trainer_service, wait_healthy
+from lorafleet.processes import Service, free_port, proxy_service, replica_service, trainer_service, wait_healthy
 from lorafleet.vllm_api import metric_total
 
 
@@ -136,7 +136,7 @@ def sync_report(proxy_metrics: str, fleet: dict[str, Any], generated_tokens: flo
     elided = metric_total(proxy_metrics, "lorafleet_proxy_pauses_elided_total")
     loads = _sample(proxy_metrics, "lorafleet_proxy_broadcast_duration_seconds_count", op="load")
     load_s = _sample(proxy_metrics, "lorafleet_proxy_broadcast_duration_seconds_sum", op="load") / max(loads, 1)
-    paused_s = _sample(proxy_metrics, "lorafleet_proxy_pause_held_seconds_sum") / syncs if syncs else None
+    paused_s = _sample(proxy_metrics, "lorafleet_proxy_pause_duration_seconds_sum") / syncs if syncs else None
     timed = [(row["step"], row["time"]) for row in metrics if "reward" in row and "time" in row]
     span = timed[-1][1] - timed[0][1] if len(timed) > 1 else 0.0
     return {
@@ -220,10 +220,14 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         started.append(proxy.start())
         wait_healthy([proxy], timeout_s=60)
         _say(f"==> proxy ready at {proxy.url}; training {options.steps} steps on the tiny recipe")
+        metrics_port = free_port()
         trainer = trainer_service("trainer", {**common, "TRAINER_RECIPE": "tiny", "TRAINER_VLLM_URL": proxy.url,
-                                              "MAX_STEPS": str(options.steps)}, logs)
+                                              "MAX_STEPS": str(options.steps),
+                                              "TRAINER_METRICS_PORT": str(metrics_port)}, logs)
         started.append(trainer.start())
         trainer_began = time.monotonic()
+        _say(f"    Prometheus metrics while it runs: proxy {proxy.url}/metrics, trainer "
+             f"http://127.0.0.1:{metrics_port}/metrics, replicas {', '.join(r.url + '/metrics' for r in replicas)}")
         metrics_file = metrics_path(adapter_root, "demo")
         fleet: dict[str, Any] = {}
         with httpx.Client(timeout=10) as client:
