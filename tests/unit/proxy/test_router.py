@@ -77,8 +77,9 @@ def test_routing_cost_does_not_grow_with_the_table() -> None:
     for seed in range(2000):
         big.choose("m", big.prompt_blocks(body(distinct(10_000 + seed, 1024), "m")), {A: 0, B: 0})
     assert big.tracked_blocks > 50_000
-    baseline = per_request(small, 1024)
-    assert per_request(big, 1024) < 3 * baseline
+    # Best of three on each side: the box is shared, a slow outlier must not fail the test.
+    baseline = min(per_request(small, 1024) for _ in range(3))
+    assert min(per_request(big, 1024) for _ in range(3)) < 3 * baseline
 
 
 def test_text_and_chat_prompts_hash_deterministically_on_bytes() -> None:
