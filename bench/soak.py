@@ -166,7 +166,8 @@ async def soak(args: argparse.Namespace, replicas: Replicas, proxy: subprocess.P
 
         async def sampler() -> None:  # the proxy's RSS and fds along the run: warm-up, then flat (or a leak)
             while not stop.is_set():
-                samples.append({"requests": sent, **proc_stats(proxy.pid)})
+                router = (await http.get("/fleet")).json()["router"]  # the bounded table is what RSS may grow by
+                samples.append({"requests": sent, "tracked_blocks": router["tracked_blocks"], **proc_stats(proxy.pid)})
                 await asyncio.sleep(args.sample_every_s)
 
         async def chaos() -> None:
@@ -218,6 +219,9 @@ async def soak(args: argparse.Namespace, replicas: Replicas, proxy: subprocess.P
         "proxy_at_start": before,
         "proxy_at_end": after,
         "proxy_samples": samples,
+        "rss_growth_last_half_mib": (round(samples[-1]["rss_mib"] - samples[len(samples) // 2]["rss_mib"], 1)
+                                     if len(samples) >= 2 else None),
+        "max_tracked_blocks": int(os.environ.get("PROXY_MAX_TRACKED_BLOCKS", "0")) or None,
         "proxy_loop_errors": loop_errors,
         "settings": {key: getattr(args, key) for key in ("requests", "concurrency", "kill_every_s", "down_s",
                                                          "publish_every_s", "latency_ms", "health_interval_s")},
