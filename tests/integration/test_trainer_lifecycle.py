@@ -30,8 +30,8 @@ import pytest
 import torch
 import yaml
 from lorafleet.adapters import lora_dir, metrics_path, policy_name, run_dir
+from lorafleet.commands.status import read_metrics
 from lorafleet.processes import Service
-from lorafleet.status import read_metrics
 
 pytestmark = pytest.mark.integration
 
