@@ -74,5 +74,8 @@ class Replica:
         return not (known.fingerprint and entry.fingerprint and known.fingerprint != entry.fingerprint)
 
     def as_json(self) -> dict[str, object]:
+        """Its state, and its own view as last read (`server_info`: its /server_info JSON, None until read):
+        the doctor reads a replica it cannot reach directly (internal network, vLLM's key) through this."""
         return {"url": self.url, "state": self.state.value, "inflight": self.inflight, "routed": self.routed,
-                "adapters": dict(self.adapters), "last_error": self.last_error}
+                "adapters": dict(self.adapters), "last_error": self.last_error,
+                "server_info": self.info.raw if self.info is not None else None}
