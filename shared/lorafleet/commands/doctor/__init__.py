@@ -3,8 +3,8 @@
 Every answer is observed, none assumed: the proxy's `/server_info` and `/fleet` give the trainer's
 view and the replica list, each replica is then asked DIRECTLY (its own `/server_info`, `/v1/models`,
 `/is_paused`) where it can be (else the proxy's last reading of it is used, marked "via the proxy": the
-trainer's container has no route to the replicas), and a probe adapter is written under the adapter root, loaded through the proxy and
-generated with on every replica. One job per module:
+trainer's container has no route to the replicas), and a probe adapter is written under the adapter root,
+loaded through the proxy and generated with on every replica. One job per module:
 
 - `model`: the data (Snapshot, ProbeReport, CheckResult);
 - `checks`: the pure checks, snapshot and probe report in, CheckResult out (unit-tested on recorded payloads);
