@@ -93,4 +93,5 @@ async def test_trainer_doctor_passes_through_the_proxy_alone(fleet, tiny_model: 
     async with httpx.AsyncClient(base_url=proxy, timeout=10) as client:
         view = (await client.get("/fleet")).json()
         assert all(not r["adapters"] for r in view["replicas"]) and not view["ledger"] and view["paused"] is None
+        assert all(set(r["server_info"]) == {"vllm_config", "vllm_env"} for r in view["replicas"])  # kept small
         assert (await client.get("/is_paused")).json() == {"is_paused": False}
