@@ -20,6 +20,7 @@ from fakes import FakeReplica, Running, start_server
 from lorafleet.commands.doctor import Status, render_table, run_doctor
 from lorafleet.settings import load_settings
 from lorafleet_proxy.app import create_app
+from lorafleet_trainer.fleet import doctor_preflight
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -95,3 +96,4 @@ async def test_trainer_doctor_passes_through_the_proxy_alone(fleet, tiny_model: 
         assert all(not r["adapters"] for r in view["replicas"]) and not view["ledger"] and view["paused"] is None
         assert all(set(r["server_info"]) == {"vllm_config", "vllm_env"} for r in view["replicas"])  # kept small
         assert (await client.get("/is_paused")).json() == {"is_paused": False}
+    await doctor_preflight(settings, None)  # the trainer's own gate: it would raise PreflightError on a FAIL
