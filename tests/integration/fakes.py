@@ -126,6 +126,7 @@ class FakeReplica:
     max_loras: int = 6
     max_lora_rank: int = 8
     max_model_len: int = 512
+    vllm_env: dict[str, Any] = field(default_factory=dict)  # /server_info's vllm_env (vLLM reports its VLLM_* env)
     faults: Faults = field(default_factory=Faults)
     adapters: dict[str, str] = field(default_factory=dict)
     fingerprints: dict[str, str] = field(default_factory=dict)  # content of each adapter when it was loaded
@@ -168,7 +169,7 @@ class FakeReplica:
                       "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1},
                       "cache_config": {"block_size": self.block_size, "enable_prefix_caching": True}}
             vllm_config: Any = config if config_format == "json" else str(config)
-            return JSONResponse({"vllm_config": vllm_config, "vllm_env": {}, "system_env": {}})
+            return JSONResponse({"vllm_config": vllm_config, "vllm_env": self.vllm_env, "system_env": {}})
 
         @app.get("/v1/models")
         async def models() -> Response:

@@ -33,6 +33,7 @@ from lorafleet.commands.doctor.checks import (
 )
 from lorafleet.commands.doctor.gather import gather_snapshot, read_ledger_file
 from lorafleet.commands.doctor.runner import TRAINING_RECENT_S
+from lorafleet.commands.doctor.via_proxy import coverage
 from lorafleet.settings import Settings, load_settings
 
 MODEL = "/models/tiny"
@@ -89,6 +90,10 @@ class FakeFleet:
         self.sync_pause = "elide"  # the proxy's PROXY_SYNC_PAUSE: a keep pause on the fleet port pauses no replica
         self.inflight = 0  # requests the proxy reports in flight per replica
         self.elided = False  # a keep pause was elided and its resume has not come yet
+        self.keyed: set[str] = set()  # replicas that answer 401 without vLLM's key (the doctor has none)
+        self.read: dict[str, bool] = dict.fromkeys(replicas, True)  # whether /fleet carries the replica's server_info
+        self.serves = list(replicas)  # replicas the proxy routes generations to (among the adapter's holders)
+        self.routed = 0
 
     def load(self, name: str, path: str, *, ledger: bool = True) -> None:
         for adapters in self.adapters.values():
@@ -117,7 +122,8 @@ class FakeFleet:
             if path == "/fleet":
                 return httpx.Response(200, json={
                     "replicas": [{"url": url, "state": self.states[url], "routed": 3, "inflight": self.inflight,
-                                  "adapters": dict(self.adapters[url]), "last_error": None} for url in self.info],
+                                  "adapters": dict(self.adapters[url]), "last_error": None,
+                                  "server_info": self.info[url] if self.read[url] else None} for url in self.info],
                     "ledger": [{"name": n, "path": p} for n, p in self.ledger],
                     "router": {"mode": "affinity", "block_size": 128}, "min_ready": 1,
                     "sync_pause": self.sync_pause})
@@ -125,11 +131,17 @@ class FakeFleet:
                 return httpx.Response(200, json=self.proxy_info())
             if path == "/v1/models":
                 return self.models(self.ledger)
+            if path == "/v1/completions":
+                return self.route(request)
+            if path == "/is_paused":
+                return httpx.Response(200, json={"is_paused": any(self.paused[url] for url in self.reach)})
             if request.method == "POST":
                 return self.broadcast(request, path)
         elif base in self.info:
             if base in self.down:
                 raise httpx.ConnectError("connection refused")
+            if base in self.keyed:  # vLLM's --api-key middleware answers exactly this
+                return httpx.Response(401, json={"error": "Unauthorized"})
             if path == "/server_info":
                 return httpx.Response(200, json=self.info[base])
             if path == "/v1/models":
@@ -167,6 +179,18 @@ class FakeFleet:
             self.paused[url] = path == "/pause"
             return httpx.Response(200, json={"status": "paused" if path == "/pause" else "resumed"})
         return httpx.Response(200, json={"is_paused": self.paused[url]})
+
+    def route(self, request: httpx.Request) -> httpx.Response:
+        """The proxy's generation path: round robin over the replicas it serves that hold the model, naming
+        the one that answered in X-Proxy-Upstream."""
+        model = json.loads(request.content)["model"]
+        holders = [url for url in self.serves if model == self.model or model in self.adapters[url]]
+        if not holders:
+            return _vllm_error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        url = holders[self.routed % len(holders)]
+        self.routed += 1
+        answer = self.replica_call(url, request, "/v1/completions")
+        return httpx.Response(answer.status_code, content=answer.content, headers={"X-Proxy-Upstream": url})
 
     def broadcast(self, request: httpx.Request, path: str) -> httpx.Response:
         """The proxy's broadcast to the replicas it knows (`reach`); a load is all-or-nothing; a keep pause (and
@@ -370,6 +394,34 @@ async def test_unreachable_replica_the_proxy_holds_back_is_not_a_failure(fleet, 
     _one(check_lora_enabled(snapshot, settings), Status.PASS, "1 replica(s)")
 
 
+async def test_replicas_only_the_proxy_reaches_are_read_through_it(fleet, settings):
+    """The trainer's container: no route to one replica, no key for the other; the proxy's /fleet describes both."""
+    fleet.down.add(R1)
+    fleet.keyed.add(R2)
+    snapshot = await _snapshot(fleet, settings)
+    assert [(r.url, r.via_proxy, r.reachable) for r in snapshot.replicas] == [(R1, True, True), (R2, True, True)]
+    _one(check_lora_enabled(snapshot, settings), Status.PASS, "2 replica(s)", "2 seen via the proxy",
+         f"{R1} (via the proxy)")
+    _one(check_slots(snapshot, settings), Status.PASS, "on 2 replica(s)")
+    _one(check_rank(snapshot, settings), Status.PASS)
+
+
+async def test_replica_neither_reachable_nor_described_by_the_proxy_is_unreachable(fleet, settings):
+    fleet.keyed.add(R2)
+    fleet.read[R2] = False  # the proxy has not read its /server_info yet
+    snapshot = await _snapshot(fleet, settings)
+    _one(check_lora_enabled(snapshot, settings), Status.FAIL, f"unreachable: {R2} (401")
+    fleet.read[R2], fleet.states[R2] = True, "ejected"  # a stale reading of a replica out of traffic is not used
+    snapshot = await _snapshot(fleet, settings)
+    assert not snapshot.replicas[1].reachable and not snapshot.replicas[1].via_proxy
+
+
+async def test_a_replica_answering_an_error_of_its_own_is_not_read_through_the_proxy(fleet, settings):
+    fleet.info[R2] = {"vllm_config": "text"}  # answers, but not the JSON asked for
+    snapshot = await _snapshot(fleet, settings)
+    assert not snapshot.replicas[1].via_proxy and not snapshot.replicas[1].reachable
+
+
 # --- TRL's own adapter-sync decision (check 3) ---------------------------------------------------------
 
 
@@ -559,6 +611,36 @@ async def test_replica_the_proxy_does_not_know_gets_no_broadcast(served_fleet, s
     _one(results["broadcasts"], Status.FAIL, f"load did not reach {R2}", f"pause did not reach {R2}")
     _one(results["adapter_root"], Status.FAIL, f"{R2} did not generate with the probe", "does not exist")
     _clean(served_fleet, served)
+
+
+async def test_probe_reaches_replicas_only_through_the_proxy(served_fleet, served):
+    """No route and no key to the replicas (the trainer's container): the whole checklist passes through the proxy,
+    generation covering every replica, and nothing is left behind."""
+    served_fleet.down.add(R1)
+    served_fleet.keyed.add(R2)
+    results = await _doctor(served_fleet, served)
+    assert not failed(list(results.values())), results
+    _one(results["adapter_root"], Status.PASS, "all 2 replica(s)")
+    _one(results["broadcasts"], Status.PASS, "load, unload, pause, resume", "on all 2 replica(s)")
+    _one(results["lora_enabled"], Status.PASS, "via the proxy")
+    _clean(served_fleet, served)
+
+
+async def test_probe_names_a_replica_the_proxy_never_routed_to(served_fleet, served):
+    served_fleet.keyed.update((R1, R2))
+    served_fleet.serves = [R1]
+    results = await _doctor(served_fleet, served)
+    _one(results["adapter_root"], Status.FAIL, f"{R2} did not generate with the probe",
+         "never answered any of 16 completion(s)")
+    assert R1 not in results["adapter_root"].reason
+    _clean(served_fleet, served)
+
+
+def test_coverage_names_the_replicas_never_answered():
+    result = coverage([R1, R2], {R1, "http://other:8000"}, 16, ["503 ServiceUnavailable: busy"])
+    assert result[R1] is None
+    assert result[R2] is not None and "16 completion(s)" in result[R2] and "503" in result[R2]
+    assert coverage([R1], {R1}, 1, []) == {R1: None}
 
 
 async def test_without_a_proxy_the_probe_loads_directly(served_fleet, served):

@@ -22,6 +22,8 @@ from lorafleet.vllm_api import ServerInfo, VLLMClient
 # Idle connections expire before vLLM's (uvicorn's) 5 s keep-alive does: reusing one the server is
 # closing at that very moment would fail the request.
 KEEPALIVE_EXPIRY_S = 2.0
+# The parts of a replica's /server_info that GET /fleet repeats (system_env, a pip listing, is left out).
+SERVER_INFO_KEPT = ("vllm_config", "vllm_env")
 
 
 class State(StrEnum):
@@ -74,5 +76,8 @@ class Replica:
         return not (known.fingerprint and entry.fingerprint and known.fingerprint != entry.fingerprint)
 
     def as_json(self) -> dict[str, object]:
+        """Its state, and its own view as last read (`server_info`: its /server_info JSON without the long
+        `system_env`, None until read): the doctor sees a replica it cannot reach (internal network) so."""
+        info = None if self.info is None else {k: v for k, v in self.info.raw.items() if k in SERVER_INFO_KEPT}
         return {"url": self.url, "state": self.state.value, "inflight": self.inflight, "routed": self.routed,
-                "adapters": dict(self.adapters), "last_error": self.last_error}
+                "adapters": dict(self.adapters), "last_error": self.last_error, "server_info": info}

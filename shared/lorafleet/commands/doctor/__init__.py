@@ -2,13 +2,15 @@
 
 Every answer is observed, none assumed: the proxy's `/server_info` and `/fleet` give the trainer's
 view and the replica list, each replica is then asked DIRECTLY (its own `/server_info`, `/v1/models`,
-`/is_paused`), and a probe adapter is written under the adapter root, loaded through the proxy and
-generated with on every replica. One job per module:
+`/is_paused`) where it can be (else the proxy's last reading of it is used, marked "via the proxy": the
+trainer's container has no route to the replicas), and a probe adapter is written under the adapter root,
+loaded through the proxy and generated with on every replica. One job per module:
 
 - `model`: the data (Snapshot, ProbeReport, CheckResult);
 - `checks`: the pure checks, snapshot and probe report in, CheckResult out (unit-tested on recorded payloads);
 - `gather`: reading the proxy and the replicas (and the proxy's ledger file when the proxy is down);
 - `probe_adapter`, `probe`: writing the probe adapter, and publishing, loading, pausing through the fleet;
+- `via_proxy`: the probe's reach to a replica only the proxy can reach;
 - `render`: the table; `runner`: all of it in order.
 
 The probe changes the fleet for a few seconds (one extra adapter, two pauses): the trainer runs it

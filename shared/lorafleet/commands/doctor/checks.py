@@ -25,7 +25,7 @@ RATIO_FAIL = 0.05  # |ratio - 1| above this: FAIL
 
 
 def _names(replicas: Sequence[ReplicaView]) -> str:
-    return ", ".join(replica.url for replica in replicas)
+    return ", ".join(replica.label for replica in replicas)
 
 
 def _not_checked(snapshot: Snapshot) -> str:
@@ -115,8 +115,10 @@ def check_lora_enabled(snapshot: Snapshot, settings: Settings) -> CheckResult:
                            f"whether runtime loading is on is unknown (no vllm_env in /server_info): {_names(unknown)}",
                            "see adapter_root: the probe's load through the proxy shows it; or check that those "
                            "replicas run with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+    via = [r for r in up if r.via_proxy]
+    seen = f" ({len(via)} seen via the proxy: {_names(via)})" if via else ""
     return CheckResult(name, Status.PASS, f"{len(up)} replica(s) serve {settings.base_model} with LoRA enabled "
-                       "and runtime loading on")
+                       f"and runtime loading on{seen}")
 
 
 def _env_flag(info: ServerInfo, variable: str) -> bool | None:

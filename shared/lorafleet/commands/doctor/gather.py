@@ -1,9 +1,13 @@
-"""Gathering: the proxy's view (/fleet, /server_info, /v1/models) and each replica's own, read-only."""
+"""Gathering: the proxy's view (/fleet, /server_info, /v1/models) and each replica's own, read-only.
+
+A replica that cannot be asked directly (the trainer's container has no route to the replicas nor
+vLLM's key) is described by the proxy's last reading of it in /fleet instead, marked `via_proxy`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,8 +16,11 @@ import httpx
 
 from lorafleet import ledger_file
 from lorafleet.commands.doctor.model import ReplicaView, Snapshot
+from lorafleet.logs import log_event
 from lorafleet.settings import Settings
-from lorafleet.vllm_api import VLLMClient, VLLMError
+from lorafleet.vllm_api import ServerInfo, VLLMClient, VLLMError, VLLMUnreachable
+
+log = logging.getLogger("lorafleet.doctor")
 
 REQUEST_TIMEOUT_S = 30.0
 
@@ -23,12 +30,35 @@ def api_client(url: str, token: str = "", http: httpx.AsyncClient | None = None)
     return VLLMClient(url, token=token, timeout=REQUEST_TIMEOUT_S, client=http)
 
 
+def hidden(exc: VLLMError) -> bool:
+    """The replica cannot be asked from here (no route, no answer, or vLLM's key is missing), as opposed to
+    one that answered with an error of its own."""
+    return isinstance(exc, VLLMUnreachable) or exc.status == 401
+
+
+def use_proxy_view(replica: ReplicaView) -> bool:
+    """Take the proxy's last reading of `replica` (GET /fleet) as its view; False when the proxy has none
+    or does not route to it (its reading of a replica out of traffic is stale)."""
+    if replica.proxy_state != "ready" or replica.proxy_server_info is None or replica.proxy_adapters is None:
+        return False
+    try:
+        replica.info = ServerInfo.parse(replica.proxy_server_info)
+    except (ValueError, KeyError, TypeError):
+        return False
+    replica.adapters, replica.via_proxy, replica.error = dict(replica.proxy_adapters), True, None
+    return True
+
+
 async def _read_replica(replica: ReplicaView, token: str, http: httpx.AsyncClient | None) -> None:
     async with api_client(replica.url, token, http) as direct:
         try:
             replica.info = await direct.server_info()
             replica.adapters = await direct.loaded_adapters()
-        except (VLLMError, ValueError, KeyError) as exc:
+        except VLLMError as exc:
+            replica.info, replica.error = None, str(exc)
+            if hidden(exc) and use_proxy_view(replica):
+                log_event(log, "doctor_replica_via_proxy", replica=replica.url, error=exc)
+        except (ValueError, KeyError) as exc:
             replica.error = str(exc)
 
 
@@ -39,7 +69,8 @@ async def _read_proxy(snapshot: Snapshot, views: dict[str, ReplicaView], http: h
             fleet = (await proxy.request("GET", "/fleet")).json()
             for item in fleet.get("replicas", []):
                 url = str(item["url"]).rstrip("/")
-                views[url] = ReplicaView(url, item.get("state"), item.get("last_error"), int(item.get("inflight", 0)))
+                views[url] = ReplicaView(url, item.get("state"), item.get("last_error"), int(item.get("inflight", 0)),
+                                         proxy_server_info=item.get("server_info"), proxy_adapters=item.get("adapters"))
             snapshot.ledger = [(str(e["name"]), str(e["path"])) for e in fleet.get("ledger", [])]
             snapshot.ledger_source = f"{snapshot.fleet_url}/fleet"
             snapshot.sync_pause = fleet.get("sync_pause")

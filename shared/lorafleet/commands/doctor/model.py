@@ -32,7 +32,8 @@ class CheckResult:
 
 @dataclass
 class ReplicaView:
-    """One replica as it answers directly (not as the proxy reports it)."""
+    """One replica as it answers directly, or, when it cannot be reached directly (an internal network,
+    vLLM's key), as the proxy last read it (`via_proxy`): the trainer's container sees replicas only so."""
 
     url: str
     proxy_state: str | None = None  # the proxy's word, only used to explain
@@ -41,6 +42,14 @@ class ReplicaView:
     info: ServerInfo | None = None
     adapters: dict[str, str] | None = None  # name -> path from its own /v1/models
     error: str | None = None  # why it could not be read
+    via_proxy: bool = False  # info and adapters are the proxy's last reading (GET /fleet), not its own answer
+    proxy_server_info: dict[str, Any] | None = field(default=None, repr=False)  # /fleet's copy of its /server_info
+    proxy_adapters: dict[str, str] | None = field(default=None, repr=False)  # /fleet's adapters (name -> path)
+
+    @property
+    def label(self) -> str:
+        """Its URL, saying when what is known of it came through the proxy."""
+        return f"{self.url} (via the proxy)" if self.via_proxy else self.url
 
     @property
     def reachable(self) -> bool:

@@ -1,5 +1,6 @@
 """The probe: publish an adapter, load it through the proxy, generate with it on every replica, unload and
-delete it, then pause and resume through the proxy, observing each step on each replica directly.
+delete it, then pause and resume through the proxy, observing each step on each replica directly, or
+through the proxy for a replica only the proxy can reach (`via_proxy`).
 
 It changes the fleet for a few seconds (one LoRA slot, two pauses), so the CLI runs it on a fleet
 that is training only when asked (see `runner.training`). It always cleans up, and never deletes
@@ -19,27 +20,32 @@ from lorafleet.commands.doctor.checks import norm_path
 from lorafleet.commands.doctor.gather import api_client
 from lorafleet.commands.doctor.model import ProbeReport, Snapshot
 from lorafleet.commands.doctor.probe_adapter import base_model_config, publish_probe_adapter
+from lorafleet.commands.doctor.via_proxy import ProxiedReplica, generate_through_proxy
 from lorafleet.logs import log_event
 from lorafleet.settings import Settings
 from lorafleet.vllm_api import PauseMode, VLLMClient, VLLMError
 
 log = logging.getLogger("lorafleet.doctor")
 
+Replica = VLLMClient | ProxiedReplica  # a replica asked directly, or one only the proxy reaches
+
 PROBE_PROMPT = "the red fox"
 PROBE_GENERATE_TIMEOUT_S = 120.0
 
 
 async def run_probe(settings: Settings, snapshot: Snapshot, http: httpx.AsyncClient | None = None) -> ProbeReport:
-    """Publish, load (through the proxy when there is one), generate on every replica directly, unload, delete;
-    then pause and resume through the proxy. Always cleans up."""
+    """Publish, load (through the proxy when there is one), generate on every replica (directly, or through the
+    proxy for one only it reaches), unload, delete; then pause and resume through the proxy. Always cleans up."""
     report = ProbeReport(broadcast=snapshot.proxy_error is None)
     replicas = snapshot.reachable()  # the unreachable ones already fail lora_enabled
     if not replicas:
         report.skipped = "no reachable replica to probe"
         return report
     token = settings.proxy_upstream_token
-    clients = {r.url: api_client(r.url, token, http) for r in replicas}
-    proxy = api_client(snapshot.fleet_url, http=http) if report.broadcast and snapshot.fleet_url else None
+    fleet = api_client(snapshot.fleet_url, http=http) if snapshot.fleet_url else None
+    clients: dict[str, Replica] = {r.url: ProxiedReplica(r.url, fleet) if r.via_proxy and fleet is not None
+                                   else api_client(r.url, token, http) for r in replicas}
+    proxy = fleet if report.broadcast else None
     try:
         await _probe_adapter(settings, snapshot, report, clients, proxy)
         if proxy is not None:
@@ -47,19 +53,19 @@ async def run_probe(settings: Settings, snapshot: Snapshot, http: httpx.AsyncCli
     finally:
         for direct in clients.values():
             await direct.aclose()
-        if proxy is not None:
-            await proxy.aclose()
+        if fleet is not None:
+            await fleet.aclose()
     return report
 
 
-async def _listed(direct: VLLMClient, name: str, path: str) -> bool | str:
+async def _listed(direct: Replica, name: str, path: str) -> bool | str:
     try:
         return norm_path((await direct.loaded_adapters()).get(name, "")) == norm_path(path)
     except VLLMError as exc:
         return str(exc)
 
 
-async def _paused(direct: VLLMClient) -> bool | str:
+async def _paused(direct: Replica) -> bool | str:
     try:
         return await direct.is_paused()
     except VLLMError as exc:
@@ -75,8 +81,21 @@ async def _generate(direct: VLLMClient, name: str) -> str | None:
     return None if answer.get("choices") else f"no choices in {answer}"
 
 
+async def _generate_all(snapshot: Snapshot, clients: dict[str, Replica], name: str) -> dict[str, str | None]:
+    """Generate with `name` on each replica: directly, or through the proxy until each proxied one answered."""
+    direct = {url: client for url, client in clients.items() if isinstance(client, VLLMClient)}
+    proxied = {url: client for url, client in clients.items() if isinstance(client, ProxiedReplica)}
+    generated = dict(zip(direct, await asyncio.gather(*(_generate(c, name) for c in direct.values())), strict=True))
+    if proxied:
+        routed = sum(replica.proxy_state == "ready" for replica in snapshot.replicas)
+        fleet = next(iter(proxied.values())).proxy
+        generated.update(await generate_through_proxy(fleet, name, PROBE_PROMPT, list(proxied), routed,
+                                                      PROBE_GENERATE_TIMEOUT_S))
+    return {url: generated[url] for url in clients}
+
+
 async def _probe_adapter(settings: Settings, snapshot: Snapshot, report: ProbeReport,
-                         clients: dict[str, VLLMClient], proxy: VLLMClient | None) -> None:
+                         clients: dict[str, Replica], proxy: VLLMClient | None) -> None:
     root = settings.adapter_root
     if not root.is_dir():
         report.skipped = f"ADAPTER_ROOT {root} is not a directory here: the probe adapter cannot be published"
@@ -96,7 +115,7 @@ async def _probe_adapter(settings: Settings, snapshot: Snapshot, report: ProbeRe
     report.path = str(directory.resolve())
     log_event(log, "probe_published", name=report.name, path=report.path)
     try:
-        await _probe_load_and_generate(report, clients, proxy)
+        await _probe_load_and_generate(snapshot, report, clients, proxy)
     finally:
         still = await _probe_unload(report, clients, proxy)
         if still:
@@ -107,7 +126,7 @@ async def _probe_adapter(settings: Settings, snapshot: Snapshot, report: ProbeRe
             report.deleted = not directory.exists()
 
 
-async def _probe_load_and_generate(report: ProbeReport, clients: dict[str, VLLMClient],
+async def _probe_load_and_generate(snapshot: Snapshot, report: ProbeReport, clients: dict[str, Replica],
                                    proxy: VLLMClient | None) -> None:
     try:
         if proxy is not None:
@@ -130,13 +149,12 @@ async def _probe_load_and_generate(report: ProbeReport, clients: dict[str, VLLMC
                                     for url, r in zip(clients, results, strict=True)}
     listed = await asyncio.gather(*(_listed(c, report.name, report.path) for c in clients.values()))
     report.listed_after_load = {url: state is True for url, state in zip(clients, listed, strict=True)}
-    generated = await asyncio.gather(*(_generate(c, report.name) for c in clients.values()))
-    report.generate_error = dict(zip(clients, generated, strict=True))
+    report.generate_error = await _generate_all(snapshot, clients, report.name)
     log_event(log, "probe_generated", name=report.name,
               failed=",".join(url for url, error in report.generate_error.items() if error) or "none")
 
 
-async def _probe_unload(report: ProbeReport, clients: dict[str, VLLMClient], proxy: VLLMClient | None) -> list[str]:
+async def _probe_unload(report: ProbeReport, clients: dict[str, Replica], proxy: VLLMClient | None) -> list[str]:
     """Unload the probe (through the proxy), observe each replica, then unload directly what is left.
 
     Returns the replicas that still hold the probe (its files must then stay)."""
@@ -158,7 +176,7 @@ async def _probe_unload(report: ProbeReport, clients: dict[str, VLLMClient], pro
     return still
 
 
-async def _probe_pause(report: ProbeReport, clients: dict[str, VLLMClient], proxy: VLLMClient) -> None:
+async def _probe_pause(report: ProbeReport, clients: dict[str, Replica], proxy: VLLMClient) -> None:
     """Pause and resume through the proxy twice, observing every replica after each step.
 
     First in `wait` mode (in-flight requests finish, none is lost), which the proxy always broadcasts;
@@ -181,11 +199,11 @@ async def _probe_pause(report: ProbeReport, clients: dict[str, VLLMClient], prox
                 log_event(log, "probe_resumed_directly", logging.WARNING, replica=url)
 
 
-async def _observe(clients: dict[str, VLLMClient]) -> dict[str, bool | str]:
+async def _observe(clients: dict[str, Replica]) -> dict[str, bool | str]:
     return dict(zip(clients, await asyncio.gather(*(_paused(c) for c in clients.values())), strict=True))
 
 
-async def _pause(proxy: VLLMClient, clients: dict[str, VLLMClient],
+async def _pause(proxy: VLLMClient, clients: dict[str, Replica],
                  mode: PauseMode) -> tuple[str | None, dict[str, bool | str]]:
     """POST /pause?mode=`mode` through the proxy; the error (or None) and each replica's is_paused after it."""
     error = None
@@ -196,7 +214,7 @@ async def _pause(proxy: VLLMClient, clients: dict[str, VLLMClient],
     return error, await _observe(clients)
 
 
-async def _resume(proxy: VLLMClient, clients: dict[str, VLLMClient]) -> tuple[str | None, dict[str, bool | str]]:
+async def _resume(proxy: VLLMClient, clients: dict[str, Replica]) -> tuple[str | None, dict[str, bool | str]]:
     error = None
     try:
         await proxy.resume()
