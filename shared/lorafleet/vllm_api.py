@@ -1,4 +1,4 @@
-"""A typed async client for the vLLM endpoints lorafleet uses (see reference/vllm-runtime-api.md).
+"""A typed async client for the vLLM 0.31 endpoints lorafleet uses (runtime LoRA, dev mode, /server_info).
 
 Errors keep vLLM's own status and message, so callers (the proxy above all) can relay them
 unchanged or act on them: "No adapter found" is a lagging volume, "has already been loaded" is
@@ -15,6 +15,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 PauseMode = Literal["abort", "wait", "keep"]
+# Set by lorafleet's proxy on every routed answer: the base URL of the replica that answered.
+PROXY_UPSTREAM_HEADER = "X-Proxy-Upstream"
 
 
 class VLLMError(Exception):

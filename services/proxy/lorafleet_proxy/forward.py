@@ -14,6 +14,7 @@ from collections.abc import Callable
 import httpx
 from fastapi import Request
 from fastapi.responses import Response
+from lorafleet.vllm_api import PROXY_UPSTREAM_HEADER
 
 from .broadcast import error, no_ready_replica
 from .fleet import Fleet, Replica
@@ -21,7 +22,7 @@ from .metrics import Metrics
 
 log = logging.getLogger("lorafleet.proxy.forward")
 
-UPSTREAM_HEADER = "X-Proxy-Upstream"
+UPSTREAM_HEADER = PROXY_UPSTREAM_HEADER
 PASSED_RESPONSE_HEADERS = ("content-type", "x-request-id")
 CONNECT_TIMEOUT_S = 10.0
 

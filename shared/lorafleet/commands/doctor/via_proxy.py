@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lorafleet.vllm_api import VLLMClient, VLLMError
+from lorafleet.vllm_api import PROXY_UPSTREAM_HEADER, VLLMClient, VLLMError
 
-UPSTREAM_HEADER = "X-Proxy-Upstream"  # the replica that answered, set by the proxy on every generation
 ATTEMPTS_PER_REPLICA = 8
 
 
@@ -81,7 +80,7 @@ async def generate_through_proxy(proxy: VLLMClient, name: str, prompt: str, targ
             errors.append(str(exc))
             continue
         if response.json().get("choices"):
-            answered.add(response.headers.get(UPSTREAM_HEADER, "").rstrip("/"))
+            answered.add(response.headers.get(PROXY_UPSTREAM_HEADER, "").rstrip("/"))
         else:
             errors.append(f"no choices in {response.text[:200]}")
     return coverage(targets, answered, sent, errors)
