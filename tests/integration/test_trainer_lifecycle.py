@@ -307,8 +307,9 @@ def wall_start(fleet, root, start_trainer) -> Start:
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    # MAX_STEPS out of reach: the wall ceiling, not the run's length, must end it however fast the box is.
     trainer = _trainer(start_trainer, "lifecycle-wall", root, proxy, run=WALL_RUN, RUN_MAX_WALL_S=WALL_S,
-                       SAVE_STEPS=1, CHECKPOINT_KEEP=KEEP)
+                       SAVE_STEPS=1, CHECKPOINT_KEEP=KEEP, MAX_STEPS=100_000)
     start = _finish(trainer, WALL_S + compose_grace_s())
     done.set()
     watcher.join()
