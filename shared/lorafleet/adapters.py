@@ -37,13 +37,13 @@ def policy_name(version: int) -> str:
 
 def policy_version(name: str) -> int | None:
     """The version of a `trl-policy-v<N>` name, or None when `name` is not a policy name."""
-    match = POLICY_NAME_PATTERN.match(name)
+    match = POLICY_NAME_PATTERN.fullmatch(name)
     return int(match.group(1)) if match else None
 
 
 def check_adapter_name(name: object) -> str:
     """Return `name` when it is an acceptable adapter name, else raise AdapterNameError."""
-    if not isinstance(name, str) or not ADAPTER_NAME_PATTERN.match(name):
+    if not isinstance(name, str) or not ADAPTER_NAME_PATTERN.fullmatch(name):
         raise AdapterNameError(
             f"invalid adapter name {name!r}: must match {ADAPTER_NAME_PATTERN.pattern} "
             "(letters, digits, '.', '_', '-'; at most 128 characters)"

@@ -39,7 +39,7 @@ def test_policy_versions_start_at_one(version: int) -> None:
 @pytest.mark.parametrize(
     "name",
     ["trl-policy-v0", "trl-policy-v01", "trl-policy-v", "trl-policy-1", "trl-policy-v1x", "xtrl-policy-v1",
-     "trl-policy-v1 ", "TRL-POLICY-V1", "trl-policy-v1234567890", "my-adapter"],
+     "trl-policy-v1 ", "trl-policy-v1\n", "TRL-POLICY-V1", "trl-policy-v1234567890", "my-adapter"],
 )
 def test_non_policy_names_have_no_version(name: str) -> None:
     assert policy_version(name) is None
@@ -52,7 +52,7 @@ def test_good_adapter_names_are_accepted(name: str) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["", ".hidden", "-dash", "../etc", "a/b", "a\\b", "a b", "a\nb", "x" * 129, "ü", None, 3, ["a"]],
+    ["", ".hidden", "-dash", "../etc", "a/b", "a\\b", "a b", "a\nb", "trl-policy-v1\n", "x" * 129, "ü", None, 3, ["a"]],
 )
 def test_bad_adapter_names_are_rejected_with_the_pattern(name: object) -> None:
     with pytest.raises(AdapterNameError, match=r"invalid adapter name .*must match"):
