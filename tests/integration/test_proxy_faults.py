@@ -289,6 +289,21 @@ async def test_dead_replica_is_ejected_and_a_returning_one_resyncs_before_traffi
     assert reborn.loads() == ["trl-policy-v1", "trl-policy-v2"], "catch-up must load the ledger in order"
 
 
+@pytest.mark.parametrize("fleet", [(2, {"proxy_health_interval_s": 60.0, "proxy_eject_after": 5})], indirect=True)
+async def test_a_routed_request_refused_by_a_replica_ejects_it_at_once(fleet: Fleet) -> None:
+    """Refused = nothing listens: the routed call that finds out ejects it, without waiting for health checks."""
+    await fleet.servers[0].stop()
+    dead = fleet.servers[0].url
+    for seed in range(8):  # spread over both replicas; the first one sent to the dead replica ejects it
+        response = await fleet.http.post("/v1/completions", json=_completion(list(range(seed, seed + 40))))
+        assert response.status_code == 200 and response.headers["x-proxy-upstream"] != dead
+        replica = next(r for r in (await fleet.fleet())["replicas"] if r["url"] == dead)
+        if replica["state"] == "ejected":
+            break
+    assert replica["state"] == "ejected" and replica["routed"] == 1, f"not ejected by the first refused call: {replica}"
+    assert "Cannot connect" in replica["last_error"] or "Connect" in replica["last_error"], replica["last_error"]
+
+
 async def test_restarted_replica_that_lost_its_adapters_goes_back_through_syncing(fleet: Fleet) -> None:
     await fleet.load("trl-policy-v1")
     fleet.fakes[0].adapters.clear()  # what a fast restart looks like from outside

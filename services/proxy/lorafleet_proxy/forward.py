@@ -68,8 +68,10 @@ class Forwarder:
                 return self._answer(upstream, replica, upstream.content)
             except httpx.TransportError as exc:
                 reason = f"{path}: {type(exc).__name__}: {exc}"
-                if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):  # nothing listens: likely dead
-                    self.fleet.note_failure(replica, reason)
+                if isinstance(exc, httpx.ConnectError):  # refused: nothing listens, ejected at once
+                    self.fleet.note_failure(replica, reason, "refused")
+                elif isinstance(exc, httpx.ConnectTimeout):  # slow to accept: ejected only if it lasts
+                    self.fleet.note_failure(replica, reason, "timeout")
                 if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
                     log.warning("upstream %s timed out %s", replica.url, reason)  # slow, not failed: no retry
                     return error(504, f"replica {replica.url} timed out: {reason}", "GatewayTimeout")

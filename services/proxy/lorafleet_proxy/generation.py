@@ -46,7 +46,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from yarl import URL
 
 from .broadcast import error, no_ready_replica
-from .fleet import Fleet
+from .fleet import Failure, Fleet
 from .forward import CONNECT_TIMEOUT_S, PASSED_RESPONSE_HEADERS, UPSTREAM_HEADER
 from .metrics import Metrics
 from .replica import KEEPALIVE_EXPIRY_S, Replica
@@ -261,16 +261,16 @@ class GenerationFront:
                             "headers": self._raw_headers(upstream, replica, None)})
                 await self._relay_stream(upstream, replica, path, send, receive)
                 return None
-        except aiohttp.ConnectionTimeoutError as exc:  # connect timeout: likely dead
-            return self._transport_failure(replica, path, exc, dead=True)
+        except aiohttp.ConnectionTimeoutError as exc:  # slow to accept: ejected only if it lasts
+            return self._transport_failure(replica, path, exc, "timeout")
         except TimeoutError as exc:  # read timeout: slow, not failed, so no retry
             reason = f"{path}: {type(exc).__name__}: {exc}"
             log.warning("upstream %s timed out %s", replica.url, reason)
             return Failed(error(504, f"replica {replica.url} timed out: {reason}", "GatewayTimeout"), False)
-        except aiohttp.ClientConnectorError as exc:  # nothing listens: likely dead
-            return self._transport_failure(replica, path, exc, dead=True)
+        except aiohttp.ClientConnectorError as exc:  # refused: nothing listens, ejected at once
+            return self._transport_failure(replica, path, exc, "refused")
         except aiohttp.ClientError as exc:  # reset, disconnected, broken body before any byte was sent
-            return self._transport_failure(replica, path, exc, dead=False)
+            return self._transport_failure(replica, path, exc, None)
         finally:
             replica.inflight -= 1
 
@@ -305,10 +305,11 @@ class GenerationFront:
         else:
             log.info("client left a stream from %s on %s; closing the upstream request", replica.url, path)
 
-    def _transport_failure(self, replica: Replica, path: str, exc: Exception, dead: bool) -> Failed:
+    def _transport_failure(self, replica: Replica, path: str, exc: Exception, kind: Failure | None) -> Failed:
+        """Retry elsewhere; a replica that refused the connection (or keeps timing out) is also reported."""
         reason = f"{path}: {type(exc).__name__}: {exc}"
-        if dead:
-            self.fleet.note_failure(replica, reason)
+        if kind is not None:
+            self.fleet.note_failure(replica, reason, kind)
         self.retries["transport"].inc()
         log.warning("upstream %s failed %s; retrying elsewhere", replica.url, reason)
         return Failed(error(502, f"replica {replica.url} failed: {reason}", "BadGateway"), True)
