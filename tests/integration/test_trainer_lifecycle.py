@@ -171,7 +171,8 @@ def killed_start(sigterm_start, fleet, root, start_trainer, tmp_path_factory) ->
     published = lora_dir(root, RUN) / policy_name(version)
 
     def served_everywhere() -> bool:
-        return all(
+        """v(V+2) on every replica, and B's first step logged (TRL may publish before it writes the step's row)."""
+        return len(_steps(root, RUN)) > step and all(
             policy_name(version) in {card["id"] for card in httpx.get(r.url + "/v1/models", timeout=10).json()["data"]}
             for r in replicas
         )
