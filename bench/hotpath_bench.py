@@ -120,7 +120,7 @@ def memory_child(requests: int) -> None:
     import orjson
     from lorafleet.settings import load_settings
     from lorafleet_proxy.app import create_app  # noqa: F401  (the proxy's whole import set, as in production)
-    from lorafleet_proxy.generation import parse
+    from lorafleet_proxy.front import parse
     from lorafleet_proxy.router import Router
 
     def rss_mb() -> float:

@@ -31,8 +31,8 @@ import schemathesis
 from fakes import FakeReplica, Received, Running, start_fakes, start_server
 from hypothesis import HealthCheck, settings
 from lorafleet.settings import load_settings
+from lorafleet.vllm_api import PROXY_UPSTREAM_HEADER as UPSTREAM_HEADER
 from lorafleet_proxy.app import BearerAuth, create_app
-from lorafleet_proxy.forward import UPSTREAM_HEADER
 from lorafleet_proxy.requests import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pydantic import BaseModel, ValidationError
 

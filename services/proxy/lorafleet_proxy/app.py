@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Annotated, Any, Literal
 
 import httpx
@@ -20,17 +21,16 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from lorafleet.settings import ConfigError, Settings
-from lorafleet.vllm_api import VLLMError
+from lorafleet.vllm_api import PROXY_UPSTREAM_HEADER, VLLMError
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import broadcast
 from .broadcast import error, no_ready_replica, relay
 from .elision import PUBLIC_PORT_SCOPE_KEY, PauseElision
 from .fleet import Fleet, State
-from .forward import Forwarder
-from .generation import ROUTES, GenerationFront, Upstreams
+from .front import READ_ONLY_ROUTES, ROUTES, Front, Upstreams
 from .ledger import Ledger, ledger_path
 from .metrics import Metrics
 from .openapi import document
@@ -51,7 +51,6 @@ DEFAULT_BLOCK_SIZE = 16  # vLLM's GPU default, until a replica reports its own
 REFUSED_ROUTES = ("/sleep", "/wake_up", "/collective_rpc", "/abort_requests", "/release_kv_cache_memory",
                   "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
                   "/start_draft_weight_update", "/update_weight_version", "/get_world_size", "/weight_info")
-READ_ONLY_ROUTES = {"/tokenize": "POST", "/detokenize": "POST", "/version": "GET", "/is_sleeping": "GET"}
 CACHE_RESET_ROUTES = ("/reset_mm_cache", "/reset_encoder_cache")
 
 
@@ -79,31 +78,13 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-class RequestMetrics:
-    """Counts every request by route (known paths only, so labels stay bounded) and status."""
+class ProxyApp(FastAPI):
+    """FastAPI with the generation front before its middleware stack: rollouts never enter FastAPI's machinery."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, routes: set[str]) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.routes = routes
+    front: ASGIApp
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def record(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, record)
-        finally:
-            route = scope["path"] if scope["path"] in self.routes else "other"
-            self.metrics.requests.labels(route, str(status)).inc()
+        await self.front(scope, receive, send)
 
 
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
@@ -115,8 +96,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     ledger = Ledger(ledger_path(settings.adapter_root), settings.adapter_root)
     ledger.restore()
     fleet = Fleet(settings, router, ledger, transport, metrics)
-    forwarder = Forwarder(fleet, metrics, settings.proxy_request_timeout_s, settings.proxy_upstream_token)
-    upstreams = Upstreams(settings.proxy_request_timeout_s)
+    upstreams = Upstreams(settings.proxy_request_timeout_s, settings.proxy_upstream_token)
     elision = PauseElision(settings.proxy_sync_pause)
 
     @asynccontextmanager
@@ -128,9 +108,9 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             yield
         finally:
             await fleet.stop()
-            await upstreams.close()
+            upstreams.close()
 
-    app = FastAPI(title="lorafleet proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = ProxyApp(title="lorafleet proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json", exception_handlers={RequestValidationError: validation_error})
     app.state.fleet, app.state.router, app.state.ledger, app.state.metrics = fleet, router, ledger, metrics
 
@@ -141,13 +121,13 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         metrics.track_pause(fleet.ledger.paused is not None)  # pause -> resume observes the generation stall
         return response
 
-    # --- generation: served by GenerationFront (generation.py) before FastAPI; these routes document them ---
-    async def generation_route(request: Request) -> Response:
-        """vLLM's OpenAI-compatible generation call, routed to one replica by prefix affinity."""
-        return error(500, f"{request.url.path} must be served by the generation front", "InternalServerError")
+    # --- relayed to one replica by the front (front.py) before FastAPI; these routes document them -------
+    async def relayed_route(request: Request) -> Response:
+        """vLLM's call, relayed to one replica: generation by prefix affinity, helpers to the least loaded."""
+        return error(500, f"{request.url.path} must be served by the proxy's front", "InternalServerError")
 
-    for path in ROUTES:
-        app.add_api_route(path, generation_route, methods=["POST"])
+    for path, method in [*((path, "POST") for path in ROUTES), *READ_ONLY_ROUTES.items()]:
+        app.add_api_route(path, relayed_route, methods=[method])
 
     # --- fleet-wide state changes ------------------------------------------------------------------
     @app.post("/v1/load_lora_adapter")
@@ -192,15 +172,6 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             app.add_api_route(path, refused, methods=[method], operation_id=f"refused_{method}{path}".lower())
 
     # --- read-only ---------------------------------------------------------------------------------
-    def read_only(path: str) -> Any:
-        async def handler(request: Request) -> Response:
-            return await forwarder.any_replica(request, path)
-
-        return handler
-
-    for path, method in READ_ONLY_ROUTES.items():
-        app.add_api_route(path, read_only(path), methods=[method])
-
     @app.get("/is_paused")
     async def is_paused() -> Response:  # the replicas' own state: an elided pause paused none of them
         ready = fleet.ready()
@@ -210,22 +181,26 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         return JSONResponse({"is_paused": any(answer is True for answer in answers)})
 
     @app.get("/server_info")
-    async def server_info(request: Request, config_format: Literal["text", "json"] = "text") -> Response:
+    async def server_info(config_format: Literal["text", "json"] = "text") -> Response:
+        """Every ready replica is asked. json: the fleet's view (LoRA limits all honour); text: one replica's own."""
         ready = fleet.ready()
         if not ready:
             return no_ready_replica(fleet)
-        if config_format != "json":
-            return await forwarder.any_replica(request, "/server_info")
-        results = await asyncio.gather(
-            *(r.client.request("GET", "/server_info", params={"config_format": "json"}) for r in ready),
-            return_exceptions=True)
-        payloads = [result.json() for result in results if isinstance(result, httpx.Response)]
-        if not payloads:
+        params = {"config_format": config_format}
+        results = await asyncio.gather(*(r.client.request("GET", "/server_info", params=params) for r in ready),
+                                       return_exceptions=True)
+        answers = [(replica, result) for replica, result in zip(ready, results, strict=True)
+                   if isinstance(result, httpx.Response)]
+        if not answers:
             first = next(result for result in results if isinstance(result, BaseException))
             if isinstance(first, VLLMError):
                 return relay(first, "/server_info failed on every ready replica")
             raise first
-        return JSONResponse(_fleet_server_info(payloads))
+        if config_format == "json":
+            return JSONResponse(_fleet_server_info([answer.json() for _, answer in answers]))
+        replica, answer = answers[0]
+        return Response(answer.content, media_type=answer.headers.get("content-type"),
+                        headers={PROXY_UPSTREAM_HEADER: replica.url})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -282,10 +257,9 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         metrics.ledger_size.set(len(ledger))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(GenerationFront, fleet=fleet, router=router, metrics=metrics, upstreams=upstreams,  # type: ignore[arg-type]
-                       token=settings.proxy_upstream_token, max_body_bytes=settings.proxy_max_body_bytes)
     app.openapi = lambda: document(app)  # type: ignore[method-assign]
-    app.add_middleware(RequestMetrics, metrics=metrics, routes={route.path for route in app.routes})  # type: ignore[attr-defined]
+    app.front = Front(partial(FastAPI.__call__, app), fleet, router, metrics, upstreams,
+                                settings.proxy_max_body_bytes, {route.path for route in app.routes})  # type: ignore[attr-defined]
     return app
 
 

@@ -9,6 +9,7 @@ rely on these names: rename one here and there together.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -73,11 +74,19 @@ class Metrics:
         self.ledger_write_failures = Counter("lorafleet_proxy_ledger_write_failures", "Ledger writes that failed "
                                              "(the broadcast that needed them failed).", registry=r)
         self._paused_at: float | None = None
+        self._request_counts: dict[tuple[str, int], Any] = {}  # children of `requests`, looked up once each
         for op in BROADCAST_OPS:
             for outcome in BROADCAST_OUTCOMES:
                 self.broadcasts.labels(op, outcome)
         for op in ROLLBACK_OPS:
             self.rollbacks.labels(op)
+
+    def count_request(self, route: str, status: int) -> None:
+        """One request answered; `route` must come from a bounded set (known paths or "other")."""
+        child = self._request_counts.get((route, status))
+        if child is None:
+            child = self._request_counts[route, status] = self.requests.labels(route, str(status))
+        child.inc()
 
     def broadcast_done(self, op: str, status: int, seconds: float) -> None:
         """One fleet-wide operation answered with HTTP `status` after `seconds`."""

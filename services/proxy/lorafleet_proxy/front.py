@@ -1,18 +1,18 @@
-"""The lean generation path: POST /v1/completions and /v1/chat/completions without FastAPI's machinery.
+"""The proxy's front: every request enters here; calls for one replica are relayed without FastAPI.
 
-Why: these two routes carry every rollout (TRL keeps ~128 in flight per replica), and FastAPI's
-request handling, a pure-Python HTTP client and re-encoding bodies cost far more than routing. This
-ASGI middleware sits in front of the FastAPI app (inside its request metrics and, on the public port,
-inside bearer auth), serves exactly those two routes and hands every other request on; FastAPI keeps
-admin, docs and the read-only helpers. For every route on both ports it enforces the body size limit
-(`PROXY_MAX_BODY_BYTES`, 413).
+Why: the generation routes carry every rollout (TRL keeps ~128 in flight per replica), and FastAPI's
+request handling, a general HTTP client and re-encoding bodies cost far more than routing. `Front`
+is the outermost ASGI layer of the app (inside bearer auth on the public port). For every request it
+enforces the body size limit (`PROXY_MAX_BODY_BYTES`, 413) and counts the answer by route and status;
+it relays the generation routes (POST /v1/completions, /v1/chat/completions) and the read-only
+helpers (/tokenize, /detokenize, /version, /is_sleeping) itself and hands everything else (admin,
+broadcasts, docs) to FastAPI. The upstream client is upstream.py: one keep-alive pool per replica.
 
-Per request: the body is read once, parsed with orjson, and only the fields routing reads are
+Generation requests: the body is read once, parsed with orjson, and only the fields routing reads are
 checked (`model` a string, `stream` a boolean, `prompt` a string / token ids in [0, 2^63) / a batch
 of those, `messages` a list of objects); everything else passes through untouched and the original
 bytes are forwarded. Bad input is a 400 in vLLM's validation-error shape before any routing: nothing
-reaches a replica. The upstream client is aiohttp, one keep-alive pool per replica, unbounded so it
-grows to that replica's in-flight count.
+reaches a replica. Read-only helpers go to the least loaded ready replica, body and query as given.
 
 Which replicas: a request naming an adapter goes only to ready replicas that hold it (prefix affinity
 among them); the base model (no `model`, its path or a served name from /server_info) goes to any
@@ -39,23 +39,26 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
+from lorafleet.vllm_api import PROXY_UPSTREAM_HEADER
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from yarl import URL
 
 from .broadcast import error, no_ready_replica
 from .fleet import Failure, Fleet
-from .forward import CONNECT_TIMEOUT_S, PASSED_RESPONSE_HEADERS, UPSTREAM_HEADER
 from .metrics import Metrics
 from .replica import KEEPALIVE_EXPIRY_S, Replica
-from .router import BadPrompt, Router
+from .router import BadPrompt, Prompt, Router
+from .upstream import Answer, ConnectRefused, ConnectTimeout, Pool, ReadTimeout, UpstreamError
 
-log = logging.getLogger("lorafleet.proxy.generation")
+log = logging.getLogger("lorafleet.proxy.front")
 
-ROUTES = ("/v1/completions", "/v1/chat/completions")
+ROUTES = ("/v1/completions", "/v1/chat/completions")  # generation: POST, routed by prefix affinity
+READ_ONLY_ROUTES = {"/tokenize": "POST", "/detokenize": "POST", "/version": "GET", "/is_sleeping": "GET"}
 NOT_FOUND_MARK = b"does not exist"  # vLLM's 404 for a model it does not serve (see README)
+UPSTREAM_HEADER = PROXY_UPSTREAM_HEADER.lower().encode()  # which replica answered (tests and operators read it)
+PASSED_RESPONSE_HEADERS = ("content-type", "x-request-id")
+CONNECT_TIMEOUT_S = 10.0
 
 
 class StreamBroken(Exception):
@@ -126,26 +129,26 @@ def replay(body: bytes, receive: Receive) -> Receive:
 
 
 class Upstreams:
-    """One aiohttp keep-alive pool per replica URL; pools of replicas that left the fleet are closed."""
+    """One keep-alive pool per replica URL (upstream.py); pools of replicas that left the fleet are closed."""
 
-    def __init__(self, read_timeout_s: float) -> None:
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=read_timeout_s)
-        self.pools: dict[str, aiohttp.ClientSession] = {}
+    def __init__(self, read_timeout_s: float, token: str) -> None:
+        self.read_timeout_s = read_timeout_s
+        self.headers = {"content-type": "application/json", "accept-encoding": "identity"} | (
+            {"authorization": f"Bearer {token}"} if token else {})
+        self.pools: dict[str, Pool] = {}
 
-    async def pool(self, url: str, members: Iterable[str]) -> aiohttp.ClientSession:
-        session = self.pools.get(url)
-        if session is None:
+    def pool(self, url: str, members: Iterable[str]) -> Pool:
+        pool = self.pools.get(url)
+        if pool is None:
             for gone in set(self.pools) - set(members):
-                await self.pools.pop(gone).close()
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
-            session = self.pools[url] = aiohttp.ClientSession(  # no cookies: nothing to store or filter per request
-                connector=connector, timeout=self.timeout, auto_decompress=False, skip_auto_headers=("User-Agent",),
-                cookie_jar=aiohttp.DummyCookieJar())
-        return session
+                self.pools.pop(gone).close()
+            pool = self.pools[url] = Pool(url, self.headers, PASSED_RESPONSE_HEADERS, CONNECT_TIMEOUT_S,
+                                          self.read_timeout_s, KEEPALIVE_EXPIRY_S)
+        return pool
 
-    async def close(self) -> None:
-        for session in self.pools.values():
-            await session.close()
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
         self.pools.clear()
 
 
@@ -157,20 +160,21 @@ def serves_base(replica: Replica, name: str) -> bool:
     return name == replica.info.model or name == served or (isinstance(served, list) and name in served)
 
 
-class GenerationFront:
-    """ASGI middleware: serves the generation routes itself, bounds every body, passes the rest to `app`."""
+class Front:
+    """ASGI middleware: serves the generation routes itself, bounds every body, counts every request by route
+    and status, and passes the rest to `app`."""
 
     def __init__(self, app: ASGIApp, fleet: Fleet, router: Router, metrics: Metrics, upstreams: Upstreams,
-                 token: str, max_body_bytes: int) -> None:
+                 max_body_bytes: int, routes: Iterable[str]) -> None:
         self.app = app
         self.fleet = fleet
         self.router = router
+        self.metrics = metrics
         self.upstreams = upstreams
         self.max_body_bytes = max_body_bytes
-        self.headers = {"content-type": "application/json", "accept-encoding": "identity"} | (
-            {"authorization": f"Bearer {token}"} if token else {})
+        self.routes = frozenset(routes)  # known paths: the route label stays bounded ("other" for the rest)
         # Metric children looked up once: `labels()` takes a lock and builds a tuple on every call.
-        self.latency = {path: metrics.upstream_latency.labels(path) for path in ROUTES}
+        self.latencies = {path: metrics.upstream_latency.labels(path) for path in (*ROUTES, *READ_ONLY_ROUTES)}
         self.outcomes = {outcome: metrics.router.labels(outcome) for outcome in ("affinity", "spilled", "unmatched")}
         self.retries = {reason: metrics.upstream_retries.labels(reason) for reason in ("5xx", "transport", "404")}
 
@@ -178,13 +182,29 @@ class GenerationFront:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        status = 500  # what the server answers if the app fails before it starts a response
+
+        async def record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.serve(scope, receive, record)
+        finally:
+            self.metrics.count_request(scope["path"] if scope["path"] in self.routes else "other", status)
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = await read_body(scope, receive, self.max_body_bytes)
         if raw is None:
             too_large = error(413, f"the request body is larger than {self.max_body_bytes} bytes "
                               "(PROXY_MAX_BODY_BYTES)", "Request Entity Too Large")
             await too_large(scope, receive, send)
-        elif scope["method"] == "POST" and scope["path"] in self.latency:
+        elif scope["method"] == "POST" and scope["path"] in ROUTES:
             await self.generate(scope, raw, receive, send)
+        elif READ_ONLY_ROUTES.get(scope["path"]) == scope["method"]:
+            await self.relay(scope, raw, receive, send)
         else:
             await self.app(scope, replay(raw, receive), send)
 
@@ -198,21 +218,27 @@ class GenerationFront:
         except BadPrompt as exc:
             await bad_request(str(exc), exc.param)(scope, receive, send)
             return
-        adapter: str = body.get("model") or ""
+        await self.relay(scope, raw, receive, send, body.get("model") or "", prompts, body.get("stream") is True)
+
+    async def relay(self, scope: Scope, raw: bytes, receive: Receive, send: Send, adapter: str = "",
+                    prompts: list[Prompt] | None = None, stream: bool = False) -> None:
+        """Relay to one candidate replica, retrying on another; `prompts` None: the least loaded, no routing."""
         path: str = scope["path"]
         url = path + ("?" + scope["query_string"].decode("latin-1") if scope["query_string"] else "")
-        stream = body.get("stream") is True
         tried: set[str] = set()
         last: Response | None = None
         while True:
             candidates, held = self.candidates(adapter, tried)
             if not candidates:
                 break
-            decision = self.router.choose(adapter, prompts, {replica.url: replica.load for replica in candidates})
-            self.outcomes[decision.outcome].inc()
-            replica = self.fleet.replicas[decision.replica]
+            if prompts is None:
+                replica = min(candidates, key=lambda candidate: candidate.load)
+            else:
+                decision = self.router.choose(adapter, prompts, {r.url: r.load for r in candidates})
+                self.outcomes[decision.outcome].inc()
+                replica = self.fleet.replicas[decision.replica]
             tried.add(replica.url)
-            failed = await self.attempt(replica, path, url, raw, stream, held, send, receive)
+            failed = await self.attempt(replica, scope["method"], path, url, raw, stream, held, send, receive)
             if failed is None:
                 return
             last = failed.response
@@ -233,59 +259,60 @@ class GenerationFront:
             return holders, True
         return [replica for replica in ready if serves_base(replica, adapter)], False
 
-    async def attempt(self, replica: Replica, path: str, url: str, raw: bytes, stream: bool, held: bool,
-                      send: Send, receive: Receive) -> Failed | None:
+    async def attempt(self, replica: Replica, method: str, path: str, url: str, raw: bytes, stream: bool,
+                      held: bool, send: Send, receive: Receive) -> Failed | None:
         """One exchange with one replica; None once the client has its answer, else why it failed."""
         replica.inflight += 1
         replica.routed += 1
         started = time.perf_counter()
+        answer: Answer | None = None
         try:
-            session = await self.upstreams.pool(replica.url, self.fleet.replicas)
-            async with session.post(URL(replica.url + url, encoded=True), data=raw, headers=self.headers) as upstream:
-                status = upstream.status
-                if status >= 500 or status == 404 or not stream:
-                    content = await upstream.read()
-                    self.latency[path].observe(time.perf_counter() - started)
-                    if status >= 500 or (status == 404 and held and NOT_FOUND_MARK in content):
-                        reason = "5xx" if status >= 500 else "404"
-                        self.retries[reason].inc()
-                        log.warning("upstream %s path=%s status=%d body=%.300s; retrying elsewhere", replica.url,
-                                    path, status, content.decode(errors="replace"))
-                        return Failed(Response(content, status, self._headers(upstream, replica)), True)
-                    await send({"type": "http.response.start", "status": status,
-                                "headers": self._raw_headers(upstream, replica, len(content))})
-                    await send({"type": "http.response.body", "body": content})
-                    return None
-                self.latency[path].observe(time.perf_counter() - started)
+            answer = await self.upstreams.pool(replica.url, self.fleet.replicas).request(method, url, raw)
+            status = answer.status
+            if status >= 500 or status == 404 or not stream:
+                content = await answer.read()
+                self.latencies[path].observe(time.perf_counter() - started)
+                if status >= 500 or (status == 404 and held and NOT_FOUND_MARK in content):
+                    reason = "5xx" if status >= 500 else "404"
+                    self.retries[reason].inc()
+                    log.warning("upstream %s path=%s status=%d body=%.300s; retrying elsewhere", replica.url,
+                                path, status, content.decode(errors="replace"))
+                    headers = {name.decode(): value.decode("latin-1") for name, value in self._headers(answer, replica)}
+                    return Failed(Response(content, status, headers), True)
                 await send({"type": "http.response.start", "status": status,
-                            "headers": self._raw_headers(upstream, replica, None)})
-                await self._relay_stream(upstream, replica, path, send, receive)
+                            "headers": [*self._headers(answer, replica), (b"content-length", b"%d" % len(content))]})
+                await send({"type": "http.response.body", "body": content})
                 return None
-        except aiohttp.ConnectionTimeoutError as exc:  # slow to accept: ejected only if it lasts
+            self.latencies[path].observe(time.perf_counter() - started)
+            await send({"type": "http.response.start", "status": status, "headers": self._headers(answer, replica)})
+            await self._relay_stream(answer, replica, path, send, receive)
+            return None
+        except ConnectTimeout as exc:  # slow to accept: ejected only if it lasts
             return self._transport_failure(replica, path, exc, "timeout")
-        except TimeoutError as exc:  # read timeout: slow, not failed, so no retry
-            reason = f"{path}: {type(exc).__name__}: {exc}"
+        except ReadTimeout as exc:  # slow, not failed, so no retry
+            reason = f"{path}: {exc}"
             log.warning("upstream %s timed out %s", replica.url, reason)
             return Failed(error(504, f"replica {replica.url} timed out: {reason}", "GatewayTimeout"), False)
-        except aiohttp.ClientConnectorError as exc:  # refused: nothing listens, ejected at once
+        except ConnectRefused as exc:  # refused: nothing listens, ejected at once
             return self._transport_failure(replica, path, exc, "refused")
-        except aiohttp.ClientError as exc:  # reset, disconnected, broken body before any byte was sent
+        except UpstreamError as exc:  # reset, disconnected, malformed before any byte was sent
             return self._transport_failure(replica, path, exc, None)
         finally:
             replica.inflight -= 1
+            if answer is not None:
+                answer.close()
 
     @staticmethod
-    async def _relay_stream(upstream: aiohttp.ClientResponse, replica: Replica, path: str, send: Send,
-                            receive: Receive) -> None:
+    async def _relay_stream(answer: Answer, replica: Replica, path: str, send: Send, receive: Receive) -> None:
         """Chunks as they come; a client that leaves stops the stream (the replica sees its connection close)."""
 
         async def relay() -> None:
             try:
-                async for chunk in upstream.content.iter_any():
+                async for chunk in answer.chunks():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                log.warning("upstream %s broke a stream on %s: %s: %s; aborting the client connection",
-                            replica.url, path, type(exc).__name__, exc)
+            except UpstreamError as exc:
+                log.warning("upstream %s broke a stream on %s: %s; aborting the client connection",
+                            replica.url, path, exc)
                 raise StreamBroken(f"replica {replica.url} broke the stream: {exc}") from exc
             await send({"type": "http.response.body", "body": b""})
 
@@ -305,7 +332,7 @@ class GenerationFront:
         else:
             log.info("client left a stream from %s on %s; closing the upstream request", replica.url, path)
 
-    def _transport_failure(self, replica: Replica, path: str, exc: Exception, kind: Failure | None) -> Failed:
+    def _transport_failure(self, replica: Replica, path: str, exc: UpstreamError, kind: Failure | None) -> Failed:
         """Retry elsewhere; a replica that refused the connection (or keeps timing out) is also reported."""
         reason = f"{path}: {type(exc).__name__}: {exc}"
         if kind is not None:
@@ -315,14 +342,6 @@ class GenerationFront:
         return Failed(error(502, f"replica {replica.url} failed: {reason}", "BadGateway"), True)
 
     @staticmethod
-    def _headers(upstream: aiohttp.ClientResponse, replica: Replica) -> dict[str, str]:
-        headers = {name: upstream.headers[name] for name in PASSED_RESPONSE_HEADERS if name in upstream.headers}
-        headers[UPSTREAM_HEADER] = replica.url
-        return headers
-
-    def _raw_headers(self, upstream: aiohttp.ClientResponse, replica: Replica,
-                     length: int | None) -> list[tuple[bytes, bytes]]:
-        headers = [(name.lower().encode(), value.encode()) for name, value in self._headers(upstream, replica).items()]
-        if length is not None:
-            headers.append((b"content-length", str(length).encode()))
-        return headers
+    def _headers(answer: Answer, replica: Replica) -> list[tuple[bytes, bytes]]:
+        """The replica's kept headers (content type, request id) and which replica answered."""
+        return [*answer.headers, (UPSTREAM_HEADER, replica.url.encode())]
