@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,10 @@ def test_bad_configuration_exits_non_zero_naming_the_variable(
         proxy_main.main()
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_the_mmap_threshold_is_pinned_where_the_c_library_is_glibc() -> None:
+    """main.py pins glibc's mmap threshold at start (it says why); the CI's and the images' C library is glibc."""
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc: the proxy only warns")
+    assert proxy_main.fix_mmap_threshold() is True
