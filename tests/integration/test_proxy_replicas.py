@@ -122,6 +122,23 @@ async def test_broadcast_load_pause_resume_unload(proxy: Proxy, make_adapter: Ca
     assert again.status_code == 404 and "cannot be found" in again.json()["error"]["message"]
 
 
+async def test_read_only_helpers_answer_as_the_replica_itself(proxy: Proxy, tiny_model: Path) -> None:
+    """/tokenize, /detokenize, /version, /is_sleeping and /server_info (text) through the proxy: the
+    replica's own status and body, and which replica answered."""
+    urls = {replica.url for replica in proxy.replicas}
+    calls = [("POST", "/tokenize", {"prompt": "hello fleet"}), ("POST", "/detokenize", {"tokens": [5, 6, 7]}),
+             ("POST", "/tokenize", {"prompt": 5}), ("GET", "/version", None), ("GET", "/is_sleeping", None),
+             ("GET", "/server_info", None)]
+    async with httpx.AsyncClient(timeout=60) as direct:
+        for method, path, body in calls:
+            through = await proxy.http.request(method, path, json=body)
+            assert through.headers["x-proxy-upstream"] in urls, (path, dict(through.headers))
+            own = await direct.request(method, through.headers["x-proxy-upstream"] + path, json=body)
+            assert (through.status_code, through.text) == (own.status_code, own.text), path
+            assert through.headers["content-type"] == own.headers["content-type"], path
+    assert (await proxy.http.post("/tokenize", json={"prompt": "x", "model": str(tiny_model)})).status_code == 200
+
+
 async def test_new_run_reusing_a_name_serves_the_new_weights_without_stale_cache(
     proxy: Proxy, make_adapter: Callable[..., Path]
 ) -> None:
