@@ -14,8 +14,9 @@ alive per replica, and tell failures apart the way the proxy acts on them:
 - `Disconnected`: the connection broke, or the answer was malformed, before it was complete.
 
 The response parser is httptools (llhttp, the parser of Node.js and of uvicorn's server side).
-Idle connections are reused newest first and dropped once idle for `keepalive_s`, which stays below
-the replica's own keep-alive so the proxy never reuses a connection the server is closing.
+Idle connections are reused newest first and closed once idle for `keepalive_s` (a sweep runs while
+any are idle), which stays below the replica's own keep-alive so the proxy never reuses a connection
+the server is closing, and a quiet proxy holds no sockets.
 """
 
 from __future__ import annotations
@@ -267,6 +268,7 @@ class Pool:
         self.read_timeout_s = read_timeout_s
         self.keepalive_s = keepalive_s
         self.idle: dict[_Connection, None] = {}  # insertion order: the newest idle connection is last
+        self.sweeper: asyncio.TimerHandle | None = None
         self.closed = False
 
     async def request(self, method: str, target: str, body: bytes = b"") -> Answer:
@@ -287,6 +289,19 @@ class Pool:
             return
         connection.idle_since = connection.loop.time()
         self.idle[connection] = None
+        if self.sweeper is None:
+            self.sweeper = connection.loop.call_later(self.keepalive_s, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close the connections idle for keepalive_s (oldest first), so a quiet proxy holds no sockets."""
+        self.sweeper = None
+        loop = asyncio.get_running_loop()
+        expired = loop.time() - self.keepalive_s
+        for connection in list(self.idle):
+            if connection.idle_since > expired:
+                self.sweeper = loop.call_later(connection.idle_since - expired, self._sweep)
+                break
+            connection.abort()
 
     def forget(self, connection: _Connection) -> None:
         self.idle.pop(connection, None)
@@ -294,6 +309,9 @@ class Pool:
     def close(self) -> None:
         """Close the idle connections; busy ones close when their answer is done."""
         self.closed = True
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+            self.sweeper = None
         for connection in list(self.idle):
             connection.abort()
 

@@ -187,6 +187,25 @@ async def test_keep_alive_reuses_one_connection_until_it_expires() -> None:
         replica.close()
 
 
+async def test_a_quiet_pool_closes_its_idle_connections() -> None:
+    closed = asyncio.Event()
+
+    async def once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(framed(b"{}", "length", []))
+        await writer.drain()
+        await reader.read()  # returns when the client closes the connection
+        closed.set()
+
+    async with scripted(once) as server:
+        replica = pool(server.url, keepalive_s=0.2)
+        await (await replica.request("POST", "/v1/completions", b"{}")).read()
+        assert len(replica.idle) == 1
+        await asyncio.wait_for(closed.wait(), 2)  # closed by the proxy, not by the server
+        assert not replica.idle and replica.sweeper is None
+        replica.close()
+
+
 async def test_connections_the_server_closes_leave_the_pool() -> None:
     ok = framed(b"{}", "length", [])
     async with scripted(answering(ok, close=True)) as server:  # answers once, then closes (keep-alive expiry)
