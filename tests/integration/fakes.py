@@ -46,6 +46,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from lorafleet.ledger_file import fingerprint
 from lorafleet.processes import free_port
 from lorafleet.vllm_api import error_body
+from lorafleet_proxy.app import BearerAuth, ProxyApp
+from lorafleet_proxy.server_protocol import CoalescingHttpToolsProtocol
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
@@ -331,10 +333,14 @@ class Running:
 
 
 async def start_server(app: Any, port: int | None = None, lifespan: str = "on") -> Running:
-    """Serve an ASGI app on 127.0.0.1 in the running loop (real HTTP); returns once it accepts connections."""
+    """Serve an ASGI app on 127.0.0.1 in the running loop (real HTTP); returns once it accepts connections.
+
+    A proxy app (either port) is served with the HTTP protocol `lorafleet-proxy` uses; fakes with uvicorn's own,
+    as vLLM is."""
     port = port or free_port()
+    protocol = CoalescingHttpToolsProtocol if isinstance(app, ProxyApp | BearerAuth) else "auto"
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan,
-                            timeout_graceful_shutdown=1)
+                            timeout_graceful_shutdown=1, http=protocol)
     server = _Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:

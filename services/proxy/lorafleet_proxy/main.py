@@ -23,6 +23,7 @@ from lorafleet.logs import configure
 from lorafleet.settings import ConfigError, Settings, load_settings
 
 from .app import BearerAuth, create_app, require_upstreams
+from .server_protocol import CoalescingHttpToolsProtocol
 
 log = logging.getLogger("lorafleet.proxy")
 
@@ -60,7 +61,9 @@ async def serve(settings: Settings) -> None:
     gc.collect()
     gc.freeze()  # everything built at startup (modules, app, routes) is never traversed by the collector again
     # No X-Forwarded-* rewriting (nothing reads the client address): one middleware less on every request.
-    common = {"log_config": None, "access_log": False, "timeout_keep_alive": 75, "proxy_headers": False}
+    # The protocol joins a response's head and body into one write (server_protocol.py says why).
+    common = {"log_config": None, "access_log": False, "timeout_keep_alive": 75, "proxy_headers": False,
+              "http": CoalescingHttpToolsProtocol}
     servers = [_Server(uvicorn.Config(app, host=settings.proxy_fleet_host, port=settings.proxy_port, lifespan="on",
                                       **common))]  # type: ignore[arg-type]
     if settings.proxy_api_key:
