@@ -35,7 +35,14 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 
-from lorafleet.processes import Service, free_port, proxy_service, replica_service, wait_healthy  # noqa: E402
+from lorafleet.processes import (  # noqa: E402
+    Service,
+    free_port,
+    proxy_service,
+    replica_service,
+    rss_mib,
+    wait_healthy,
+)
 from lorafleet.vllm_api import metric_total  # noqa: E402
 
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
@@ -79,16 +86,24 @@ def started(services: list[Service], health: str = "/health", timeout_s: float =
             service.stop()
 
 
+QUIET = {**os.environ, "LOG_LEVEL": "WARNING"}
+
+
+def fast_replica_and_proxy(label: str, log_dir: Path) -> tuple[Service, Service]:
+    """The fast fake replica and the real `lorafleet-proxy` (affinity routing) in front of it; not started."""
+    port = free_port()
+    replica = Service(f"fast-replica-{label}", [sys.executable, str(BENCH / "fast_replica.py"), str(port)], QUIET,
+                      log_dir / f"fast-replica-{label}.log", f"http://127.0.0.1:{port}")
+    proxy = proxy_service(f"proxy-{label}", {"PROXY_UPSTREAMS": replica.url, "ADAPTER_ROOT": str(log_dir / label),
+                                             "PROXY_ROUTING": "affinity", "LOG_LEVEL": "WARNING"}, log_dir)
+    return replica, proxy
+
+
 def throughput(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    py = sys.executable
-    env = {**os.environ, "LOG_LEVEL": "WARNING"}
-    rport, fport = free_port(), free_port()
-    replica = Service("fast-replica", [py, str(BENCH / "fast_replica.py"), str(rport)], env,
-                      log_dir / "fast-replica.log", f"http://127.0.0.1:{rport}")
-    forwarder = Service("aiohttp-forwarder", [py, str(BENCH / "aiohttp_forwarder.py"), str(fport), replica.url],
-                        env, log_dir / "forwarder.log", f"http://127.0.0.1:{fport}")
-    proxy = proxy_service("proxy", {"PROXY_UPSTREAMS": replica.url, "ADAPTER_ROOT": str(log_dir / "root"),
-                                    "PROXY_ROUTING": "affinity", "LOG_LEVEL": "WARNING"}, log_dir)
+    replica, proxy = fast_replica_and_proxy("throughput", log_dir)
+    fport = free_port()
+    forwarder = Service("aiohttp-forwarder", [sys.executable, str(BENCH / "aiohttp_forwarder.py"), str(fport),
+                                              replica.url], QUIET, log_dir / "forwarder.log", f"http://127.0.0.1:{fport}")
     targets = {"direct": (replica.url, replica), "aiohttp_forwarder": (forwarder.url, forwarder),
                "lorafleet_affinity": (proxy.url, proxy)}
     result: dict[str, Any] = {"tool": "wrk -t1 --timeout 2s, bench/wrk_completion.lua (200 token ids)",
@@ -115,22 +130,9 @@ def throughput(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
 
 
 # --- memory ----------------------------------------------------------------------------------------
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return round(int(line.split()[1]) / 1024, 1)
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
 def memory(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     """The real proxy process over HTTP: wrk sends distinct prompts until the proxy has routed `requests`."""
-    py = sys.executable
-    env = {**os.environ, "LOG_LEVEL": "WARNING"}
-    rport = free_port()
-    replica = Service("fast-replica-memory", [py, str(BENCH / "fast_replica.py"), str(rport)], env,
-                      log_dir / "fast-replica-memory.log", f"http://127.0.0.1:{rport}")
-    proxy = proxy_service("proxy-memory", {"PROXY_UPSTREAMS": replica.url, "ADAPTER_ROOT": str(log_dir / "root-mem"),
-                                           "PROXY_ROUTING": "affinity", "LOG_LEVEL": "WARNING"}, log_dir)
+    replica, proxy = fast_replica_and_proxy("memory", log_dir)
     samples: list[dict[str, Any]] = []
     step = args.memory_requests // 20
     with started([replica]), started([proxy]):
@@ -144,7 +146,7 @@ def memory(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                     raise RuntimeError(f"wrk stopped early: {load.stdout.read() if load.stdout else ''}")
                 router = httpx.get(proxy.url + "/fleet", timeout=30).json()["router"]
                 if router["routed"] >= (len(samples) + 1) * step:
-                    samples.append({"requests": router["routed"], "rss_mb": rss_mb(proxy.pid),
+                    samples.append({"requests": router["routed"], "rss_mb": rss_mib(proxy.pid),
                                     "tracked_blocks": router["tracked_blocks"]})
                     print(f"memory: {samples[-1]}", flush=True)
         finally:

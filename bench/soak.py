@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 from fakes import FakeReplica, start_server  # noqa: E402
 from lorafleet.adapters import adapter_dir  # noqa: E402
-from lorafleet.processes import free_port, script  # noqa: E402
+from lorafleet.processes import free_port, rss_mib, script  # noqa: E402
 
 MODEL = "fake-base"
 WINDOW = 3  # adapter versions kept loaded (max_staleness-like)
@@ -79,9 +79,7 @@ class Replicas:
 
 
 def proc_stats(pid: int) -> dict[str, float]:
-    rss_kib = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                   if line.startswith("VmRSS:"))
-    return {"rss_mib": round(rss_kib / 1024, 1), "open_fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    return {"rss_mib": rss_mib(pid), "open_fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
 def publish(root: Path, version: int) -> str:

@@ -28,6 +28,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process now (Linux /proc), in MiB to one decimal: what the benchmarks sample."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    raise RuntimeError(f"process {pid} reports no VmRSS")
+
+
 def script(name: str) -> str:
     """Path of a console script installed next to this interpreter (the venv need not be on PATH)."""
     candidate = Path(sys.executable).parent / name
