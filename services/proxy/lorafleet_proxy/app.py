@@ -111,7 +111,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             upstreams.close()
 
     app = ProxyApp(title="lorafleet proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json", exception_handlers={RequestValidationError: validation_error})
+                   openapi_url="/openapi.json", exception_handlers={RequestValidationError: validation_error})
     app.state.fleet, app.state.router, app.state.ledger, app.state.metrics = fleet, router, ledger, metrics
 
     async def timed(op: str, call: Awaitable[Response]) -> Response:
@@ -259,7 +259,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
 
     app.openapi = lambda: document(app)  # type: ignore[method-assign]
     app.front = Front(partial(FastAPI.__call__, app), fleet, router, metrics, upstreams,
-                                settings.proxy_max_body_bytes, {route.path for route in app.routes})  # type: ignore[attr-defined]
+                      settings.proxy_max_body_bytes, {route.path for route in app.routes})  # type: ignore[attr-defined]
     return app
 
 

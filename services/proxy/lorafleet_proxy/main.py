@@ -89,10 +89,10 @@ def main() -> None:
     # seconds) stay off unless they are warnings.
     configure("proxy", settings.log_level, loggers=("uvicorn",))
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    # uvloop: asyncio.run would otherwise use the default loop (uvicorn only picks uvloop when it owns the loop).
     gc.set_threshold(GC_GEN0_THRESHOLD, 10, 10)
     if not fix_mmap_threshold():
         log.warning("could not pin the C library's mmap threshold (not glibc?): RSS may creep under load")
+    # uvloop: asyncio.run would otherwise use the default loop (uvicorn only picks uvloop when it owns the loop).
     uvloop.run(serve(settings))
 
 
