@@ -34,7 +34,7 @@ STAMP := $(VENV)/.setup-stamp
 SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pyproject.toml services/proxy/pyproject.toml \
                 services/vllm/pyproject.toml services/trainer/pyproject.toml tools/setup_venv.sh tools/vllm_cpu_fixup.sh
 
-.PHONY: help setup unit integration test lint bench bench-attention demo status doctor up down scale logs ps test-stack test-gpu soak fuzz bench-sync
+.PHONY: help engine-check build setup unit integration test lint bench bench-attention demo status doctor up down scale logs ps test-stack test-gpu soak fuzz bench-sync
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}'
@@ -99,14 +99,21 @@ doctor: ## Preflight checklist against the running fleet (PASS/WARN/FAIL); PROBE
 	$(PROFILE_ENV) $(COMPOSE) --profile $(DOCTOR_SVC) run --rm --no-deps $(DOCTOR_SVC) $(DOCTOR_ARGS); \
 	else $(BIN)/lorafleet doctor $(DOCTOR_ARGS); fi
 
-up: ## Start the stack and wait until healthy: make up [REPLICAS=3] [CPU=1] [MONITORING=1]
-	@test -f .env || { echo "no .env: cp .env.example .env and set PROXY_API_KEY"; exit 2; }
+engine-check:
+	@bash tools/engine.sh check
+
+build: engine-check ## Build the profile's images, the replica image first (the cpu trainer is built on it): make build [CPU=1]
+	@test -f .env || { echo "no .env: cp .env.example .env and set PROXY_API_KEY and PROXY_UPSTREAM_TOKEN"; exit 2; }
+	$(PROFILE_ENV) $(COMPOSE) build $(REPLICA_SVC)
+	$(PROFILE_ENV) $(COMPOSE) build
+
+up: build ## Build, start the stack and wait until healthy: make up [REPLICAS=3] [CPU=1] [MONITORING=1]
 	$(PROFILE_ENV) $(COMPOSE) up -d --wait $(if $(REPLICAS),--scale $(REPLICA_SVC)=$(REPLICAS))
 
 down: ## Stop the stack (volumes kept)
 	$(COMPOSE) --profile '*' down
 
-scale: ## Change the replica count: make scale N=3 [CPU=1]
+scale: engine-check ## Change the replica count: make scale N=3 [CPU=1]
 	@test -n "$(N)" || { echo "usage: make scale N=<replicas>"; exit 2; }
 	$(PROFILE_ENV) $(COMPOSE) up -d --wait --no-recreate --scale $(REPLICA_SVC)=$(N) $(REPLICA_SVC) proxy
 

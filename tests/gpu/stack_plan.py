@@ -5,7 +5,12 @@ env file with the real Compose binary and the settings schema.
 
 Device layout (issue 17, problems 1 and 2): the trainer gets the first detected GPU; every other GPU goes
 to the replicas' pool, which must hold one GPU per replica plus one for the scale-out test. So N replicas
-need N + 2 GPUs, and the pool is never left at the default `0` (the trainer's GPU).
+need N + 2 GPUs, and the pool is never left at the default `0` (the trainer's GPU). The cpu profile keeps the
+default `VLLM_CPU_SETS=auto`, as a user's `.env` does: one core per replica, shared once every core has one.
+
+The env file is made the way a user makes it (README, "Running the stack"): `cp .env.example .env`, then the two
+keys set, plus what a test run must choose itself (its own project name and public port, the GPU layout, a
+training run that lasts until it is stopped).
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ TRAINER_SERVICE: dict[str, str] = {"gpu": "trainer", "cpu": "trainer-cpu"}
 DEVICE_VARIABLE: dict[str, str] = {"gpu": "CUDA_VISIBLE_DEVICES", "cpu": "VLLM_CPU_OMP_THREADS_BIND"}
 # A small public instruct model: minutes to download and load, room for several replicas on any GPU.
 DEFAULT_GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
-# Where the cpu profile's tiny model is built (inside the adapters volume, read-only for the replicas).
+# Where the cpu profile's tiny model is built (inside the adapters volume, read-only for the replicas): compose.yaml's
+# default BASE_MODEL for the cpu profile, built by its one-shot `tiny-model` service.
 TINY_MODEL_DIR = "/adapters/models/tiny"
-IMAGE_TAG = "stack-test"
 RUN_NAME = "stack"
 SCALE_SPARE = 1  # devices kept free in the pool for the scale-out test
 
@@ -66,35 +71,42 @@ class StackPlan:
         return f"http://127.0.0.1:{self.public_port}"
 
     def env(self) -> dict[str, str]:
-        """Every variable of the env file. It is the only settings source: no developer `.env` is read."""
+        """What the test sets in `.env` after `cp .env.example .env`; everything else keeps the example's value."""
         values = {
             "COMPOSE_PROJECT_NAME": self.project,
-            "COMPOSE_PROFILES": self.profile,
-            "IMAGE_TAG": IMAGE_TAG,
             "REPLICAS": str(self.replicas),
             "PROXY_API_KEY": self.api_key,
             "PROXY_UPSTREAM_TOKEN": self.upstream_token,
             "PROXY_PUBLIC_PORT": str(self.public_port),
-            "BASE_MODEL": self.base_model,
             "RUN_NAME": RUN_NAME,
-            "REPLICA_DEVICE": self.profile,
-            "LOG_LEVEL": "INFO",
             **self.settings,
         }
         if self.profile == "gpu":
+            values["BASE_MODEL"] = self.base_model
             values["TRAINER_GPUS"] = ",".join(self.trainer_gpus)
             values["VLLM_GPUS"] = ",".join(self.replica_pool)
-        else:
-            values["VLLM_CPU_SETS"] = ";".join(self.replica_pool)
         return values
 
     def write_env_file(self, directory: Path) -> Path:
-        """`<directory>/.env`: Compose reads it for interpolation and as every service's env_file."""
-        directory.mkdir(parents=True, exist_ok=True)
+        """`<directory>/.env` from `<directory>/.env.example`, as a user makes it (see `user_env_file`)."""
         path = directory / ".env"
-        path.write_text("".join(f"{name}={value}\n" for name, value in self.env().items()))
-        path.chmod(0o600)  # holds the API key
+        path.write_text(user_env_file((directory / ".env.example").read_text(), self.env()))
+        path.chmod(0o600)  # holds the API keys
         return path
+
+
+def user_env_file(example: str, values: dict[str, str]) -> str:
+    """`.env.example` with each variable of `values` set where the example has it (set or commented out), the
+    others appended: `cp .env.example .env` and an editor, without the editor."""
+    left = dict(values)
+    lines = []
+    for line in example.splitlines():
+        match = re.match(r"^#? ?([A-Z][A-Z0-9_]*)=", line)
+        if match and match.group(1) in left:
+            line = f"{match.group(1)}={left.pop(match.group(1))}"
+        lines.append(line)
+    lines += [f"{name}={value}" for name, value in left.items()]
+    return "\n".join(lines) + "\n"
 
 
 def gpu_layout(gpus: list[str], replicas: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -109,27 +121,25 @@ def gpu_layout(gpus: list[str], replicas: int) -> tuple[tuple[str, ...], tuple[s
 
 
 def cpu_layout(cores: int, replicas: int) -> tuple[str, ...]:
-    """Distinct core sets, one per replica plus the scale-out: single cores, then `0-<last>` when cores run out."""
-    needed = replicas + SCALE_SPARE
-    sets = [str(core) for core in range(cores)][:needed]
-    if len(sets) < needed and cores >= 2:
-        sets.append(f"0-{cores - 1}")
-    if len(sets) < needed:
-        raise NotEnoughDevices(f"needs {needed} distinct CPU core sets ({replicas} replicas + {SCALE_SPARE}), "
+    """The cores VLLM_CPU_SETS=auto hands out (replicas share them once each has one): at least two, so that
+    replicas are spread over distinct cores before they share."""
+    if cores < 2:
+        raise NotEnoughDevices(f"needs 2 CPU cores for {replicas} replicas + {SCALE_SPARE} on distinct cores first, "
                                f"found {cores} core(s)")
-    return tuple(sets)
+    return tuple(str(core) for core in range(cores))
 
 
 def gpu_settings() -> dict[str, str]:
-    """A short math-recipe run on the real model: a few steps, one adapter version per step."""
+    """A math-recipe run on the real model, one adapter version per step, until the test stops it."""
     return {"TRAINER_RECIPE": "math", "MAX_MODEL_LEN": "1024", "MAX_COMPLETION_LENGTH": "256",
             "NUM_GENERATIONS": "4", "TOKEN_BUDGET": "0", "TRAIN_BATCH_SIZE": "8", "GRADIENT_ACCUMULATION_STEPS": "1",
-            "WEIGHT_SYNC_STEPS": "1", "SAVE_STEPS": "1000", "MAX_STEPS": "4", "VLLM_GPU_MEMORY_UTILIZATION": "0.6"}
+            "WEIGHT_SYNC_STEPS": "1", "SAVE_STEPS": "3", "MAX_STEPS": "1000", "VLLM_GPU_MEMORY_UTILIZATION": "0.6"}
 
 
 def cpu_settings() -> dict[str, str]:
-    """The tiny recipe (its own defaults) on the tiny model, float32 so replicas agree to ~1e-6."""
-    return {"TRAINER_RECIPE": "tiny", "MAX_MODEL_LEN": "512", "VLLM_DTYPE": "float32", "MAX_STEPS": "4"}
+    """The cpu profile's own defaults (tiny model and recipe, float32: replicas agree to ~1e-6), a run that lasts
+    until the test stops it, and a checkpoint every few steps."""
+    return {"MAX_STEPS": "1000", "SAVE_STEPS": "3"}
 
 
 def free_port() -> int:
@@ -154,7 +164,7 @@ def plan_stack(profile: Profile, *, replicas: int, gpus: list[str] | None = None
         return StackPlan(**common, base_model=model or DEFAULT_GPU_MODEL, trainer_gpus=trainer, replica_pool=pool,
                          settings=gpu_settings())
     return StackPlan(**common, base_model=model or TINY_MODEL_DIR, replica_pool=cpu_layout(cores or 1, replicas),
-                     settings=cpu_settings())
+                     settings=cpu_settings() if model is None else {**cpu_settings(), "BASE_MODEL": model})
 
 
 # --- readers of what the running stack shows -----------------------------------------------------------------

@@ -56,6 +56,7 @@ class Replica:
     sync_failures: int = 0  # consecutive failed syncs: the backoff before the next one doubles
     next_sync_at: float = 0.0
     info: ServerInfo | None = None
+    generates: bool | None = None  # the last warm-up completion succeeded (None: not tried yet); see `sync`
     sync_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -80,4 +81,5 @@ class Replica:
         `system_env`, None until read): the doctor sees a replica it cannot reach (internal network) so."""
         info = None if self.info is None else {k: v for k, v in self.info.raw.items() if k in SERVER_INFO_KEPT}
         return {"url": self.url, "state": self.state.value, "inflight": self.inflight, "routed": self.routed,
-                "adapters": dict(self.adapters), "last_error": self.last_error, "server_info": info}
+                "adapters": dict(self.adapters), "last_error": self.last_error, "generates": self.generates,
+                "server_info": info}

@@ -1,5 +1,12 @@
 """Catch-up: bring one replica in line with the ledger (adapters, fingerprints, pause state), then mark it ready.
 
+Ready means it generates: before anything else a sync asks the replica for one token of the base model. /health
+answers 200 as soon as vLLM's API server is up, which is not the same thing: an engine can fail at its first
+request (vLLM's CPU sampler compiles through torch inductor there and needs a C++ compiler), and on CPU the first
+requests compile for tens of seconds. A replica that cannot generate stays out of traffic with the replica's own
+error in `last_error` and `generates: false` in GET /fleet; the warm-up also pays the first-request compile before
+any rollout or probe waits on it.
+
 A sync works without the fleet lock: it reads what the replica holds, unloads what the ledger does
 not name (or names with other content), loads what is missing in ledger order, matches the fleet's
 pause state, and reads the replica's adapters once more after that last change. Only then does it
@@ -16,20 +23,64 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lorafleet.ledger_file import Entry
-from lorafleet.vllm_api import VLLMClient, VLLMError
+from lorafleet.settings import Settings
+from lorafleet.vllm_api import VLLMClient, VLLMError, VLLMUnreachable
 
+from .ledger import Ledger
+from .metrics import Metrics
 from .replica import Replica, State
+from .router import Router
 
-if TYPE_CHECKING:
-    from .fleet import Fleet
+
+class SyncFleet(Protocol):
+    """What a sync needs of the fleet (fleet.Fleet is one); a protocol, so sync does not import fleet."""
+
+    settings: Settings
+    router: Router
+    ledger: Ledger
+    metrics: Metrics
+    lock: asyncio.Lock
+
+    def adopt_block_size(self, replica: Replica) -> None: ...
 
 log = logging.getLogger("lorafleet.proxy.sync")
 
 LOAD_RETRY_FIRST_S = 0.05
 LOAD_RETRY_MAX_S = 1.0
+WARM_UP_PROMPT = "Hello"
+
+
+class CannotGenerate(VLLMError):
+    """The replica answers /health but failed the one-token warm-up completion; keeps the replica's own error."""
+
+    def __init__(self, cause: VLLMError) -> None:
+        super().__init__(cause.status, f"cannot generate: {cause.message}", cause.error_type, cause.body)
+
+
+async def warm_up(replica: Replica, deadline: float) -> None:
+    """One greedy token of the base model, within the sync's deadline; raises CannotGenerate when it fails.
+
+    A paused replica queues new requests until it is resumed, so it is not asked: it was admitted (and so
+    generated) before the pause, and the sync applies the fleet's pause state next.
+    """
+    if await replica.client.is_paused():
+        log.info("warm-up skipped url=%s: the replica is paused", replica.url)
+        return
+    base = next(card.id for card in await replica.client.models() if card.parent is None)
+    started = time.monotonic()
+    try:
+        await replica.client.completions({"model": base, "prompt": WARM_UP_PROMPT, "max_tokens": 1,
+                                          "temperature": 0.0}, timeout=max(deadline - started, 1.0))
+    except VLLMUnreachable:
+        raise  # no answer at all: the health loop's business, not a verdict on generation
+    except VLLMError as exc:
+        replica.generates = False
+        raise CannotGenerate(exc) from exc
+    replica.generates = True
+    log.info("warm-up done url=%s model=%s seconds=%.2f", replica.url, base, time.monotonic() - started)
 
 
 async def load_until(client: VLLMClient, name: str, path: str, deadline: float) -> str:
@@ -71,7 +122,7 @@ def mismatch(replica: Replica, listed: dict[str, str], paused: bool, wanted: dic
     return None
 
 
-async def sync(fleet: Fleet, replica: Replica) -> None:
+async def sync(fleet: SyncFleet, replica: Replica) -> None:
     """Sync `replica` to the ledger and mark it ready; on failure leave it syncing with `last_error` set."""
     replica.state = State.SYNCING
     fleet.router.forget_replica(replica.url)
@@ -97,9 +148,10 @@ async def sync(fleet: Fleet, replica: Replica) -> None:
         log.warning("replica sync failed url=%s error=%s (retried in %.1fs)", replica.url, reason, backoff)
 
 
-async def _sync(fleet: Fleet, replica: Replica, deadline: float) -> None:
+async def _sync(fleet: SyncFleet, replica: Replica, deadline: float) -> None:
     replica.info = await replica.client.server_info()
     fleet.adopt_block_size(replica)
+    await warm_up(replica, deadline)
     while True:
         listed = await replica.client.loaded_adapters()
         replica.observe(listed)

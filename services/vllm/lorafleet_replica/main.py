@@ -27,14 +27,19 @@ EXIT_CONFIG = 2
 EXIT_NO_DEVICE = 3
 
 
+# VLLM_CPU_SETS=auto: replicas per core once every core has one (a 2-core machine still runs `--scale vllm-cpu=3`).
+AUTO_CPU_SHARES = 4
+
+
 def claim_for(settings: Settings) -> Claim:
-    """Claim a GPU from VLLM_GPUS, or a core set from VLLM_CPU_SETS in CPU mode."""
+    """Claim a GPU from VLLM_GPUS, or a core set from VLLM_CPU_SETS in CPU mode (shared when it is `auto`)."""
     if settings.replica_device == "gpu":
-        pool, variable = settings.gpu_pool, "VLLM_GPUS"
+        pool, variable, shares = settings.gpu_pool, "VLLM_GPUS", 1
     else:
         pool, variable = settings.cpu_pool, "VLLM_CPU_SETS"
+        shares = AUTO_CPU_SHARES if settings.cpu_sets_auto else 1
     return claim_device(pool, fleet_dir(settings.adapter_root) / "claims", kind=settings.replica_device,
-                        pool_variable=variable)
+                        pool_variable=variable, shares=shares)
 
 
 def resolve_vllm(argv: list[str]) -> list[str]:

@@ -62,6 +62,12 @@ def check_fleet(snapshot: Snapshot) -> CheckResult:
     if not listed:
         return CheckResult(name, Status.FAIL, f"proxy {snapshot.fleet_url} lists no replicas",
                            "set PROXY_UPSTREAMS or PROXY_UPSTREAM_DNS and start replicas (`make scale N=2`)")
+    mute = [r for r in listed if r.proxy_generates is False]
+    if mute:
+        return CheckResult(name, Status.FAIL, "answers /health but cannot generate (the proxy's one-token warm-up "
+                           "failed; it gets no traffic): " + "; ".join(f"{r.url}: {r.proxy_error}" for r in mute),
+                           "read that replica's log for the engine's error (on CPU: a C++ compiler and Python's "
+                           "headers must be in the image); the proxy admits it once a warm-up succeeds")
     problems = [f"{r.url} is {r.proxy_state}" + (f" ({r.proxy_error})" if r.proxy_error else "")
                 for r in listed if r.proxy_state != "ready"]
     unknown = [r for r in snapshot.replicas if r.proxy_state is None]
