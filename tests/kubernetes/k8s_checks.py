@@ -241,7 +241,8 @@ def secret_problems(objects: list[Obj]) -> list[str]:
             if "value" in entry or reference.get("name") != KEYS_SECRET or reference.get("key") != entry["name"]:
                 problems.append(f"{container.where}: {entry['name']} does not come from {KEYS_SECRET}")
             if container.component not in KEY_HOLDERS[entry["name"]]:
-                problems.append(f"{container.where}: holds {entry['name']}, which only {KEY_HOLDERS[entry['name']]} need")
+                holders = sorted(KEY_HOLDERS[entry["name"]])
+                problems.append(f"{container.where}: holds {entry['name']}, which only {holders} need")
     return problems
 
 
@@ -321,8 +322,7 @@ def discovery_problems(objects: list[Obj]) -> list[str]:
     if deployment["spec"].get("replicas") != 1 or deployment["spec"].get("strategy", {}).get("type") != "Recreate":
         problems.append("the proxy must be one pod, replaced by Recreate (it owns the ledger)")
     labels = replica.workload["spec"]["template"]["metadata"]["labels"]
-    budgets = [obj for obj in objects if obj["kind"] == "PodDisruptionBudget" and selects(obj["spec"]["selector"], labels)]
-    if not budgets:
+    if not any(obj["kind"] == "PodDisruptionBudget" and selects(obj["spec"]["selector"], labels) for obj in objects):
         problems.append("no PodDisruptionBudget covers the replicas")
     if replica.workload["spec"]["template"]["metadata"].get("annotations", {}).get("prometheus.io/scrape") != "true":
         problems.append("replica pods carry no prometheus.io/scrape annotation")
@@ -341,7 +341,7 @@ def peer_name(peer: Obj) -> str:
     addresses, else its selectors."""
     if "ipBlock" in peer:
         block = peer["ipBlock"]
-        if block["cidr"] == "0.0.0.0/0" and PRIVATE_RANGES <= set(block.get("except", [])):
+        if block["cidr"] == "0.0.0.0/0" and set(block.get("except", [])) >= PRIVATE_RANGES:
             return "internet"
         return f"ipBlock {block['cidr']} except {block.get('except', [])}"
     pod = peer.get("podSelector")

@@ -102,7 +102,8 @@ BREAKS: dict[str, tuple[str, Callable[[list[Obj]], object], str]] = {
     "replica without a GPU limit": (
         "gpu", lambda o: container(o, "replica")["resources"]["limits"].pop("nvidia.com/gpu"), "want exactly 1"),
     "replica with two GPUs": (
-        "gpu", lambda o: container(o, "replica")["resources"]["limits"].update({"nvidia.com/gpu": 2}), "want exactly 1"),
+        "gpu", lambda o: container(o, "replica")["resources"]["limits"].update({"nvidia.com/gpu": 2}),
+        "want exactly 1"),
     "replica claiming devices": (
         "gpu", lambda o: env_entry(o, "replica", "REPLICA_DEVICE_ASSIGNMENT").update(value="claim"), "scheduler"),
     "GPU on the proxy": (
@@ -139,7 +140,8 @@ BREAKS: dict[str, tuple[str, Callable[[list[Obj]], object], str]] = {
         "gpu", lambda o: find(o, "Service", "vllm")["spec"].pop("clusterIP"), "not a headless Service"),
     "discovery on the wrong port": (
         "cpu", lambda o: env_entry(o, "proxy", "PROXY_UPSTREAM_DNS").update(value="vllm:8001"), "does not lead"),
-    "no PodDisruptionBudget": ("gpu", lambda o: o.remove(find(o, "PodDisruptionBudget", "vllm")), "PodDisruptionBudget"),
+    "no PodDisruptionBudget": (
+        "gpu", lambda o: o.remove(find(o, "PodDisruptionBudget", "vllm")), "PodDisruptionBudget"),
     "setting the schema rejects": ("gpu", lambda o: config(o).update(MAX_STALENESS="-1"), "MAX_STALENESS"),
     "misspelt setting": ("cpu", lambda o: config(o).update(MAX_STALNESS="2"), "MAX_STALNESS"),
     "topology setting missing": (
@@ -149,7 +151,8 @@ BREAKS: dict[str, tuple[str, Callable[[list[Obj]], object], str]] = {
         "gpu", lambda o: container(o, "replica")["env"].remove(env_entry(o, "replica", "HF_HUB_OFFLINE")),
         "HF_HUB_OFFLINE"),
     "fleet port open to all": (
-        "gpu", lambda o: policy(o, "proxy-fleet-ingress")["ingress"][0].pop("from"), "port proxy:8000/TCP lets in ['*'"),
+        "gpu", lambda o: policy(o, "proxy-fleet-ingress")["ingress"][0].pop("from"),
+        "port proxy:8000/TCP lets in ['*'"),
     "replicas reachable by the trainer": (
         "cpu", lambda o: policy(o, "replica-ingress")["ingress"][0]["from"].append(
             {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "trainer"}}}), "replica:8000/TCP lets in"),
