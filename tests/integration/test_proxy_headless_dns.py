@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from lorafleet.processes import Service, proxy_service
+from lorafleet.processes import Service, proxy_service, wait_healthy
 from lorafleet.vllm_api import VLLMClient
 
 pytestmark = pytest.mark.integration
@@ -159,6 +159,7 @@ async def test_proxy_follows_a_headless_service_as_pods_come_and_go(
     proxy.start()
     client = httpx.AsyncClient(base_url=proxy.url, timeout=60)
     try:
+        await asyncio.to_thread(wait_healthy, [proxy], 60.0, "/fleet")  # listening (the relays keep running)
         await wait_for(client, lambda v: states(v) == {first: "ready"}, "the one published pod to be ready")
         load = await client.post("/v1/load_lora_adapter", json={"lora_name": ADAPTER, "lora_path": str(path)})
         assert load.status_code == 200, load.text
