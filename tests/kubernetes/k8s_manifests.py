@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "kubernetes"
 OVERLAYS = ("gpu", "cpu", "example")
 # The oldest and newest Kubernetes minor the manifests are validated against (kubernetes-validate --strict).
+# 1.31: the PodDisruptionBudget's unhealthyPodEvictionPolicy is GA there; every other field is older.
 KUBERNETES_VERSIONS = ("1.31.0", "1.37.0")
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
 
