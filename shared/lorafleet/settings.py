@@ -80,6 +80,10 @@ class Settings(BaseSettings):
     replica_device: Literal["gpu", "cpu"] = Field(
         "gpu", description="gpu: each replica claims one GPU from VLLM_GPUS; cpu: one core set from VLLM_CPU_SETS."
     )
+    replica_device_assignment: Literal["claim", "scheduler"] = Field(
+        "claim", description="claim: each replica locks one device of the pool under ADAPTER_ROOT/.fleet (Compose: "
+        "every replica sees every device); scheduler: the container was given its own (Kubernetes), no lock.",
+    )
     vllm_gpus: str = Field("0", description="GPU pool the replicas claim from, one GPU each (e.g. 2,3,4,5).")
     vllm_cpu_sets: str = Field(
         "auto",

@@ -6,11 +6,17 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from lorafleet.adapters import fleet_dir
 from lorafleet.settings import ConfigError, load_settings
+from lorafleet_replica.claim import claim_device
 from lorafleet_replica.command import OWN_VLLM_VARIABLES, build_launch
+from lorafleet_replica.main import EXIT_NO_DEVICE, core_list
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -102,3 +108,57 @@ def test_dry_run_masks_the_api_key(tmp_path: Path):
                             capture_output=True, text=True, cwd=tmp_path, timeout=60, check=True)
     assert "t0ken" not in result.stdout
     assert json.loads(result.stdout)["env"]["VLLM_API_KEY"] == "<secret>"
+
+
+# --- Kubernetes: REPLICA_DEVICE_ASSIGNMENT=scheduler ------------------------------------------------------------------
+def _dry_run(root: Path, preexec_fn: Callable[[], None] | None = None, **settings: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ADAPTER_ROOT": str(root), **settings}
+    return subprocess.run([sys.executable, "-m", "lorafleet_replica.main", "--dry-run"], env=env, capture_output=True,
+                          text=True, cwd=root, timeout=60, preexec_fn=preexec_fn)
+
+
+def test_scheduler_assignment_takes_no_claim_and_leaves_the_gpu_to_the_runtime(tmp_path: Path):
+    """Every Kubernetes pod sees its one GPU as index 0: claims on a shared fleet folder would collide."""
+    shared, fresh = tmp_path / "shared", tmp_path / "fresh"
+    fresh.mkdir()
+    held = claim_device(["0"], fleet_dir(shared) / "claims", kind="gpu", pool_variable="VLLM_GPUS")
+    try:
+        claiming = _dry_run(shared, REPLICA_DEVICE="gpu", VLLM_GPUS="0")
+        assert claiming.returncode == EXIT_NO_DEVICE, claiming.stderr
+        for root in (shared, fresh):
+            result = _dry_run(root, REPLICA_DEVICE="gpu", VLLM_GPUS="0", REPLICA_DEVICE_ASSIGNMENT="scheduler")
+            assert result.returncode == 0, result.stderr
+            plan = json.loads(result.stdout)
+            assert plan["device"] is None and plan["lock"] is None
+            assert "CUDA_VISIBLE_DEVICES" not in plan["env"]
+        assert not fleet_dir(fresh).exists(), "a replica on a read-only store must not need ADAPTER_ROOT/.fleet"
+    finally:
+        os.close(held.fd)
+    launch = build_launch(load_settings(replica_device="gpu", replica_device_assignment="scheduler"), None)
+    assert launch.environment({"CUDA_VISIBLE_DEVICES": "GPU-1f2e"})["CUDA_VISIBLE_DEVICES"] == "GPU-1f2e"
+
+
+def test_scheduler_assignment_binds_cpu_threads_to_the_cores_the_pod_may_use(tmp_path: Path):
+    core = min(os.sched_getaffinity(0))
+    result = _dry_run(tmp_path, lambda: os.sched_setaffinity(0, {core}), REPLICA_DEVICE="cpu",
+                      REPLICA_DEVICE_ASSIGNMENT="scheduler", VLLM_CPU_SETS="0;1")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["device"] == plan["env"]["VLLM_CPU_OMP_THREADS_BIND"] == str(core)
+    assert plan["lock"] is None
+
+
+def _cores(core_set: str) -> set[int]:
+    cores: set[int] = set()
+    for part in core_set.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+@given(st.sets(st.integers(min_value=0, max_value=511), min_size=1))
+def test_core_list_is_the_same_cores_in_vllms_syntax(cores: set[int]):
+    text = core_list(cores)
+    assert _cores(text) == cores
+    assert load_settings(vllm_cpu_sets=text).cpu_pool == [text]
+    assert len(text.split(",")) == 1 + sum(1 for core in cores if core + 1 not in cores and core != max(cores))

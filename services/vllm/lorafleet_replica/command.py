@@ -45,8 +45,12 @@ class Launch:
         return merged
 
 
-def build_launch(settings: Settings, device: str) -> Launch:
-    """The replica's command for the claimed `device` (a GPU index, or a CPU core set in CPU mode)."""
+def build_launch(settings: Settings, device: str | None) -> Launch:
+    """The replica's command for its `device` (a GPU index, or a CPU core set in CPU mode).
+
+    `device` None: a GPU the scheduler gave the container (Kubernetes' nvidia.com/gpu). The runtime exposes
+    only that GPU, so CUDA_VISIBLE_DEVICES is left as the runtime set it (unset: the one GPU it shows).
+    """
     argv = [
         "vllm", "serve", settings.base_model,
         "--host", settings.replica_host,
@@ -63,9 +67,12 @@ def build_launch(settings: Settings, device: str) -> Launch:
     if settings.proxy_upstream_token:
         env[API_KEY_VARIABLE] = settings.proxy_upstream_token
     if settings.replica_device == "gpu":
-        env["CUDA_VISIBLE_DEVICES"] = device
+        if device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = device
         argv += ["--gpu-memory-utilization", str(settings.vllm_gpu_memory_utilization)]
     else:
+        if device is None:
+            raise ValueError("CPU mode needs a core set to bind vLLM's threads to")
         env["VLLM_CPU_OMP_THREADS_BIND"] = device
         argv += ["--kv-cache-memory-bytes", str(settings.vllm_cpu_kv_cache_bytes)]
     argv += shlex.split(settings.vllm_extra_args)

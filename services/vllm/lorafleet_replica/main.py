@@ -1,7 +1,9 @@
 """`lorafleet-replica`: claim a device, build the `vllm serve` command from the settings, exec vLLM.
 
 Exec (not a child process) so that container signals reach vLLM directly and the device lock,
-an inherited descriptor, lives exactly as long as vLLM does.
+an inherited descriptor, lives exactly as long as vLLM does. With REPLICA_DEVICE_ASSIGNMENT=scheduler
+(Kubernetes) nothing is claimed: the container was given its own device, and the replica uses it as
+the runtime exposes it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from lorafleet.adapters import fleet_dir
@@ -42,6 +45,33 @@ def claim_for(settings: Settings) -> Claim:
                         pool_variable=variable, shares=shares)
 
 
+def core_list(cores: Iterable[int]) -> str:
+    """{0, 1, 2, 3, 6} -> "0-3,6": the core-set syntax of VLLM_CPU_SETS and VLLM_CPU_OMP_THREADS_BIND."""
+    ranges: list[list[int]] = []
+    for core in sorted(set(cores)):
+        if ranges and core == ranges[-1][1] + 1:
+            ranges[-1][1] = core
+        else:
+            ranges.append([core, core])
+    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in ranges)
+
+
+def scheduled_device(settings: Settings) -> str | None:
+    """The device the scheduler gave this container: a GPU as the runtime exposes it (None: nothing to pin), or
+    in CPU mode the cores this process may run on (the kubelet's cpuset)."""
+    if settings.replica_device == "gpu":
+        return None
+    return core_list(os.sched_getaffinity(0))
+
+
+def visible_gpus() -> str:
+    """What the container runtime says this container's GPUs are, for the log."""
+    for variable in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        if os.environ.get(variable):
+            return f"{variable}={os.environ[variable]}"
+    return "every GPU the runtime exposes"
+
+
 def resolve_vllm(argv: list[str]) -> list[str]:
     """Prefer the `vllm` next to this interpreter (a venv need not be on PATH), else PATH."""
     search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
@@ -68,20 +98,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lorafleet-replica: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     configure("replica", settings.log_level)
-    try:
-        claim = claim_for(settings)
-    except NoFreeDevice as exc:
-        log_event(log, "no_free_device", logging.ERROR, reason=str(exc))
-        print(f"lorafleet-replica: {exc}", file=sys.stderr)
-        return EXIT_NO_DEVICE
-    launch = offline_for_local_model(settings, build_launch(settings, claim.device))
+    lock: Path | None = None
+    if settings.replica_device_assignment == "scheduler":
+        device = scheduled_device(settings)
+    else:
+        try:
+            claim = claim_for(settings)
+        except NoFreeDevice as exc:
+            log_event(log, "no_free_device", logging.ERROR, reason=str(exc))
+            print(f"lorafleet-replica: {exc}", file=sys.stderr)
+            return EXIT_NO_DEVICE
+        device, lock = claim.device, claim.lock_path
+    launch = offline_for_local_model(settings, build_launch(settings, device))
     if args.dry_run:
-        print(json.dumps({"device": claim.device, "lock": str(claim.lock_path), "env": launch.shown_env(),
+        print(json.dumps({"device": device, "lock": lock and str(lock), "env": launch.shown_env(),
                           "argv": launch.argv}, indent=2))
         return 0
     command = resolve_vllm(launch.argv)
-    log_event(log, "exec_vllm", device=claim.device, mode=settings.replica_device, lock=claim.lock_path,
-              max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank, command=" ".join(command))
+    log_event(log, "exec_vllm", device=device or f"scheduler ({visible_gpus()})", mode=settings.replica_device,
+              lock=lock, max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank,
+              command=" ".join(command))
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(command[0], command, launch.environment(os.environ))

@@ -1,0 +1,421 @@
+"""The properties every rendered overlay must have. Each check returns its problems ([] = holds), so the tests can
+run it on the real rendering and on a copy broken on purpose (a check that cannot fail proves nothing)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import tomllib
+from typing import Any
+from unittest import mock
+from urllib.parse import urlsplit
+
+import yaml
+from k8s_manifests import REPO, Container, Obj, config_map_data, containers, main_container, selects, workloads
+from lorafleet.settings import SECRET_FIELDS, Settings, env_name
+from pydantic import ValidationError
+
+COMPONENT = "app.kubernetes.io/component"
+CONFIG = "lorafleet-config"
+KEYS_SECRET = "lorafleet-keys"
+# uid of the proxy image's user (services/proxy/Dockerfile); every pod runs as it.
+RUN_AS = 10001
+PRIVATE_RANGES = {"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"}
+SECRETS = {env_name(field) for field in SECRET_FIELDS} | {"HF_TOKEN"}
+# Which components may hold each key (SECURITY.md, "Keys only where needed").
+KEY_HOLDERS = {"PROXY_API_KEY": {"proxy"}, "PROXY_UPSTREAM_TOKEN": {"proxy", "replica"},
+               "HF_TOKEN": {"trainer", "model-fetch"}}
+# Variables the manifests set that are not lorafleet settings: read by the Hugging Face libraries, the OS, and the
+# NVIDIA container runtime.
+NOT_SETTINGS = {"HF_HOME", "HF_HUB_OFFLINE", "HF_TOKEN", "HOME", "NVIDIA_VISIBLE_DEVICES"}
+# Settings .env.example sets for Compose that Kubernetes replaces: the scheduler gives each replica its device.
+REPLACED_ON_KUBERNETES = {"VLLM_GPUS", "VLLM_CPU_SETS"}
+# Compose service -> the component that plays its part on Kubernetes.
+COMPOSE_ROLES = {"vllm": "replica", "proxy": "proxy", "trainer": "trainer", "model-fetch": "model-fetch"}
+# Compose settings that Kubernetes expresses otherwise (CUDA_VISIBLE_DEVICES: the nvidia.com/gpu limit).
+COMPOSE_ONLY = {"CUDA_VISIBLE_DEVICES"}
+# Writers of the adapter store: the trainer, the proxy's store-init, and model-fetch where it builds the model there.
+ADAPTER_WRITERS = {("trainer", "trainer"), ("proxy", "store-init"), ("model-fetch", "model-fetch")}
+
+
+@functools.cache
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "compose.yaml").read_text())
+
+
+def compose_default(value: str) -> str:
+    """`${NAME:-default}` -> default (the value Compose uses when .env does not set it)."""
+    match = re.fullmatch(r"\$\{[A-Z_]+:-(?P<default>[^}]*)\}", value)
+    return match["default"] if match else value
+
+
+def seconds(duration: str) -> int:
+    """A Compose duration (`90s`, `15m`) in seconds."""
+    match = re.fullmatch(r"(\d+)([sm])", duration)
+    assert match, f"unexpected Compose duration {duration!r}"
+    return int(match[1]) * (60 if match[2] == "m" else 1)
+
+
+def release_tag() -> str:
+    """The images' tag in the manifests: the project's version (shared/pyproject.toml)."""
+    return str(tomllib.loads((REPO / "shared" / "pyproject.toml").read_text())["project"]["version"])
+
+
+# --- settings ------------------------------------------------------------------------------------------------------
+def environment(objects: list[Obj], container: Container) -> dict[str, str]:
+    """What the container's process sees: the ConfigMap it imports, then `env` (which wins); a Secret reference
+    stands for a non-empty value."""
+    env: dict[str, str] = {}
+    for source in container.spec.get("envFrom", []):
+        if "configMapRef" in source:
+            env.update(config_map_data(objects, source["configMapRef"]["name"]))
+    for entry in container.spec.get("env", []):
+        secret = entry.get("valueFrom", {}).get("secretKeyRef")
+        env[entry["name"]] = f"<{secret['name']}/{secret['key']}>" if secret else str(entry.get("value", ""))
+    return env
+
+
+def validate_settings(env: dict[str, str]) -> str | None:
+    """The schema's verdict on an environment (None: valid), read with nothing else from the caller's environment."""
+    schema = {env_name(name): name for name in Settings.model_fields}
+    values = {schema[name]: value for name, value in env.items() if name in schema}
+    with mock.patch.dict(os.environ, {}, clear=True):
+        try:
+            Settings(_env_file=None, **values)  # type: ignore[call-arg]
+        except ValidationError as exc:
+            return "; ".join(f"{env_name(str(error['loc'][0])) if error['loc'] else 'settings'}: {error['msg']}"
+                             for error in exc.errors())
+    return None
+
+
+def settings_problems(objects: list[Obj], env_example: dict[str, Any]) -> list[str]:
+    """Every container's environment is valid for the schema, names only known variables, and sets what Compose
+    fixes for the same role; every setting .env.example sets is configured (or replaced by the scheduler)."""
+    schema = {env_name(name) for name in Settings.model_fields}
+    problems = []
+    configured: set[str] = set(config_map_data(objects, CONFIG))
+    for container in containers(objects):
+        env = environment(objects, container)
+        configured |= set(env)
+        unknown = sorted(set(env) - schema - NOT_SETTINGS)
+        if unknown:
+            problems.append(f"{container.where}: {unknown} are neither lorafleet settings nor known variables")
+        verdict = validate_settings(env)
+        if verdict:
+            problems.append(f"{container.where}: the settings schema rejects its environment: {verdict}")
+    services = compose()["services"]
+    for service, component in COMPOSE_ROLES.items():
+        fixed = {name for name, value in services[service].get("environment", {}).items() if value != ""}
+        present = set(environment(objects, main_container(objects, component)))
+        missing = sorted(fixed - COMPOSE_ONLY - present)
+        if missing:
+            problems.append(f"{component}: {missing} set by compose.yaml for `{service}` are missing from its env")
+    set_for_compose = {name for name, entry in env_example.items() if not entry.commented and name in schema}
+    missing = sorted(set_for_compose - REPLACED_ON_KUBERNETES - configured)
+    if missing:
+        problems.append(f"{missing} (set in .env.example) are configured nowhere in the manifests")
+    return problems
+
+
+# --- devices, mounts, resources, security --------------------------------------------------------------------------
+def gpu_problems(objects: list[Obj], device: str) -> list[str]:
+    """gpu: each replica has exactly one nvidia.com/gpu (limit, and request if any) and takes the scheduler's
+    device; cpu: no GPU anywhere. Only replica and trainer may ask for GPUs."""
+    problems = []
+    replica = main_container(objects, "replica")
+    env = environment(objects, replica)
+    if env.get("REPLICA_DEVICE") != device:
+        problems.append(f"{replica.where}: REPLICA_DEVICE is {env.get('REPLICA_DEVICE')!r}, not {device!r}")
+    if env.get("REPLICA_DEVICE_ASSIGNMENT") != "scheduler":
+        problems.append(f"{replica.where}: REPLICA_DEVICE_ASSIGNMENT must be scheduler (no device claims)")
+    for container in containers(objects):
+        resources = container.spec.get("resources", {})
+        limit = resources.get("limits", {}).get("nvidia.com/gpu")
+        request = resources.get("requests", {}).get("nvidia.com/gpu", limit)
+        wants_gpu = device == "gpu" and not container.init and container.component in ("replica", "trainer")
+        if container.component == "replica" and wants_gpu and (str(limit), str(request)) != ("1", "1"):
+            problems.append(f"{container.where}: nvidia.com/gpu limit {limit!r} request {request!r}, want exactly 1")
+        if not wants_gpu and (limit or request):
+            problems.append(f"{container.where}: asks for nvidia.com/gpu")
+    return problems
+
+
+def mount_problems(objects: list[Obj]) -> list[str]:
+    """The adapter store is read-only but for its writers and mounted at ADAPTER_ROOT; the fleet claim only in the
+    proxy, at ADAPTER_ROOT/.fleet; replicas and trainer have a memory-backed, size-limited /dev/shm."""
+    problems = []
+    for component in ("replica", "proxy", "trainer"):
+        container = main_container(objects, component)
+        if "adapters" not in container.mounts():
+            problems.append(f"{container.where}: does not mount the adapter store")
+    for container in containers(objects):
+        root = environment(objects, container).get("ADAPTER_ROOT")
+        for name, mount in container.mounts().items():
+            claim = container.volume(name).get("persistentVolumeClaim", {}).get("claimName")
+            if claim == "adapters":
+                if (container.component, container.name) not in ADAPTER_WRITERS and not mount.get("readOnly"):
+                    problems.append(f"{container.where}: mounts the adapter store writable")
+                if root and mount["mountPath"] != root:
+                    problems.append(f"{container.where}: store at {mount['mountPath']}, ADAPTER_ROOT={root}")
+            if claim == "fleet" and (container.component != "proxy" or mount["mountPath"] != f"{root}/.fleet"):
+                problems.append(f"{container.where}: mounts the fleet claim (the proxy's, at ADAPTER_ROOT/.fleet)")
+            if mount["mountPath"] == "/dev/shm":
+                empty = container.volume(name).get("emptyDir", {})
+                if empty.get("medium") != "Memory" or not empty.get("sizeLimit"):
+                    problems.append(f"{container.where}: /dev/shm is not a size-limited memory emptyDir")
+    for component in ("replica", "trainer"):
+        container = main_container(objects, component)
+        if not any(mount["mountPath"] == "/dev/shm" for mount in container.mounts().values()):
+            problems.append(f"{container.where}: no /dev/shm volume (PyTorch shared memory)")
+    return problems
+
+
+def resource_problems(objects: list[Obj]) -> list[str]:
+    problems = []
+    for container in containers(objects):
+        resources = container.spec.get("resources", {})
+        missing = [f"requests.{name}" for name in ("cpu", "memory") if name not in resources.get("requests", {})]
+        missing += ["limits.memory"] if "memory" not in resources.get("limits", {}) else []
+        if missing:
+            problems.append(f"{container.where}: no {', '.join(missing)}")
+    return problems
+
+
+def security_problems(objects: list[Obj]) -> list[str]:
+    """Non-root (the images' uid 10001), no privilege escalation, no capabilities, the runtime's seccomp profile:
+    what the namespace's `restricted` Pod Security Standard enforces at admission."""
+    problems = []
+    namespaces = [obj for obj in objects if obj["kind"] == "Namespace"]
+    if not namespaces or any(ns["metadata"].get("labels", {}).get("pod-security.kubernetes.io/enforce") != "restricted"
+                             for ns in namespaces):
+        problems.append("the namespace does not enforce the restricted Pod Security Standard")
+    for workload in workloads(objects):
+        pod = workload["spec"]["template"]["spec"]
+        context = pod.get("securityContext", {})
+        want = {"runAsNonRoot": True, "runAsUser": RUN_AS, "seccompProfile": {"type": "RuntimeDefault"}}
+        wrong = {key: context.get(key) for key, value in want.items() if context.get(key) != value}
+        if wrong:
+            problems.append(f"{workload['kind']}/{workload['metadata']['name']}: pod securityContext {wrong}")
+        if pod.get("automountServiceAccountToken") is not False:
+            problems.append(f"{workload['kind']}/{workload['metadata']['name']}: mounts a service account token")
+        # Service links would set PROXY_PORT=tcp://... (Service `proxy`), VLLM_PORT (`vllm`): settings vLLM reads.
+        if pod.get("enableServiceLinks") is not False:
+            problems.append(f"{workload['kind']}/{workload['metadata']['name']}: enableServiceLinks is not false")
+    for container in containers(objects):
+        context = container.spec.get("securityContext", {})
+        if context.get("allowPrivilegeEscalation") is not False or context.get("privileged"):
+            problems.append(f"{container.where}: may escalate privileges")
+        if context.get("capabilities", {}).get("drop") != ["ALL"] or context.get("capabilities", {}).get("add"):
+            problems.append(f"{container.where}: keeps capabilities")
+        if context.get("runAsUser", RUN_AS) != RUN_AS:
+            problems.append(f"{container.where}: runs as uid {context['runAsUser']}")
+    return problems
+
+
+def image_problems(objects: list[Obj], tag: str) -> list[str]:
+    """Every image names its tag, never `latest`: the release tag of the manifests."""
+    problems = []
+    for container in containers(objects):
+        image = container.spec["image"]
+        last = image.rsplit("/", 1)[-1]
+        found = last.split(":", 1)[1] if ":" in last else None
+        if found != tag:
+            problems.append(f"{container.where}: image {image!r} is not tagged {tag!r}")
+    return problems
+
+
+def secret_problems(objects: list[Obj]) -> list[str]:
+    """No Secret ships with the manifests (the operator creates lorafleet-keys), no key in a ConfigMap or a literal
+    env value, and each key only in the containers that need it."""
+    problems = [f"Secret/{obj['metadata']['name']} is rendered: keys must come from `kubectl create secret`"
+                for obj in objects if obj["kind"] == "Secret"]
+    for obj in objects:
+        if obj["kind"] == "ConfigMap" and SECRETS & set(obj.get("data", {})):
+            problems.append(f"ConfigMap/{obj['metadata']['name']} holds {sorted(SECRETS & set(obj['data']))}")
+    for container in containers(objects):
+        for entry in container.spec.get("env", []):
+            if entry["name"] not in SECRETS:
+                continue
+            reference = entry.get("valueFrom", {}).get("secretKeyRef", {})
+            if "value" in entry or reference.get("name") != KEYS_SECRET or reference.get("key") != entry["name"]:
+                problems.append(f"{container.where}: {entry['name']} does not come from {KEYS_SECRET}")
+            if container.component not in KEY_HOLDERS[entry["name"]]:
+                holders = sorted(KEY_HOLDERS[entry["name"]])
+                problems.append(f"{container.where}: holds {entry['name']}, which only {holders} need")
+    return problems
+
+
+# --- probes, grace periods, services, discovery --------------------------------------------------------------------
+def probe_port(probe: Obj) -> int | str | None:
+    for handler in ("httpGet", "tcpSocket", "grpc"):
+        if handler in probe:
+            return probe[handler]["port"]
+    return None
+
+
+def probe_problems(objects: list[Obj]) -> list[str]:
+    """Long-running servers have startup, readiness and liveness probes on a port they listen on; a replica's
+    startup allows Compose's REPLICA_START_PERIOD for the model load."""
+    problems = []
+    for container in containers(objects, init=False):
+        if container.workload["kind"] == "Job":
+            continue
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container.spec.get(kind)
+            if probe is None:
+                problems.append(f"{container.where}: no {kind}")
+            elif container.port(probe_port(probe) or -1) is None:
+                problems.append(f"{container.where}: {kind} checks port {probe_port(probe)!r}, which it does not open")
+    replica = main_container(objects, "replica").spec
+    start = compose_default(compose()["services"]["vllm"]["healthcheck"]["start_period"])
+    startup = replica.get("startupProbe", {})
+    allowed = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
+    if allowed < seconds(start):
+        problems.append(f"replica startupProbe allows {allowed}s for the model load, Compose {start}")
+    return problems
+
+
+def grace_problems(objects: list[Obj]) -> list[str]:
+    """Trainer and replicas get Compose's stop_grace_period (the trainer's 90 s: finish a step, checkpoint)."""
+    problems = []
+    for service, component in (("trainer", "trainer"), ("vllm", "replica")):
+        want = seconds(compose()["services"][service]["stop_grace_period"])
+        got = main_container(objects, component).pod.get("terminationGracePeriodSeconds")
+        if got != want:
+            problems.append(f"{component}: terminationGracePeriodSeconds {got}, Compose's stop_grace_period {want}s")
+    return problems
+
+
+def _service_target(objects: list[Obj], service: Obj, component: str) -> int | None:
+    """The container port of `component` that `service` (its only port) sends to, if it selects that component."""
+    container = main_container(objects, component)
+    labels = container.workload["spec"]["template"]["metadata"]["labels"]
+    if not selects({"matchLabels": service["spec"].get("selector", {})}, labels):
+        return None
+    return container.port(service["spec"]["ports"][0]["targetPort"])
+
+
+def discovery_problems(objects: list[Obj]) -> list[str]:
+    """The proxy discovers replicas through a headless Service on their port; the trainer reaches the proxy's fleet
+    port through a Service; the public port has its own; one proxy (it owns the ledger); the PDB covers replicas."""
+    problems = []
+    proxy, replica, trainer = (main_container(objects, name) for name in ("proxy", "replica", "trainer"))
+    proxy_env, replica_env = environment(objects, proxy), environment(objects, replica)
+    host, _, port = proxy_env.get("PROXY_UPSTREAM_DNS", "").rpartition(":")
+    headless = [obj for obj in objects if obj["kind"] == "Service" and obj["metadata"]["name"] == host]
+    if not headless or headless[0]["spec"].get("clusterIP") != "None":
+        problems.append(f"PROXY_UPSTREAM_DNS={host}:{port} is not a headless Service")
+    elif not (str(headless[0]["spec"]["ports"][0]["port"]) == port == replica_env.get("REPLICA_PORT")
+              == str(_service_target(objects, headless[0], "replica"))):
+        problems.append(f"{host}:{port} does not lead to the replicas' REPLICA_PORT {replica_env.get('REPLICA_PORT')}")
+    url = urlsplit(environment(objects, trainer).get("TRAINER_VLLM_URL", ""))
+    fleet = [obj for obj in objects if obj["kind"] == "Service" and obj["metadata"]["name"] == url.hostname]
+    if not fleet or not (fleet[0]["spec"]["ports"][0]["port"] == url.port
+                         and str(_service_target(objects, fleet[0], "proxy")) == proxy_env.get("PROXY_PORT")):
+        problems.append(f"TRAINER_VLLM_URL {url.geturl()} does not lead to the proxy's PROXY_PORT")
+    public = [obj for obj in objects if obj["kind"] == "Service"
+              and str(_service_target(objects, obj, "proxy")) == proxy_env.get("PROXY_PUBLIC_PORT")]
+    if not public or public[0] in fleet:
+        problems.append("the proxy's public port has no Service of its own")
+    deployment = proxy.workload
+    if deployment["spec"].get("replicas") != 1 or deployment["spec"].get("strategy", {}).get("type") != "Recreate":
+        problems.append("the proxy must be one pod, replaced by Recreate (it owns the ledger)")
+    labels = replica.workload["spec"]["template"]["metadata"]["labels"]
+    if not any(obj["kind"] == "PodDisruptionBudget" and selects(obj["spec"]["selector"], labels) for obj in objects):
+        problems.append("no PodDisruptionBudget covers the replicas")
+    if replica.workload["spec"]["template"]["metadata"].get("annotations", {}).get("prometheus.io/scrape") != "true":
+        problems.append("replica pods carry no prometheus.io/scrape annotation")
+    return problems
+
+
+# --- network policies ----------------------------------------------------------------------------------------------
+def _selector_text(selector: Obj) -> str:
+    parts = [f"{key}={value}" for key, value in sorted(selector.get("matchLabels", {}).items())]
+    parts += [f"{e['key']} {e['operator']} {sorted(e.get('values', []))}" for e in selector.get("matchExpressions", [])]
+    return ",".join(parts) or "*"
+
+
+def peer_name(peer: Obj) -> str:
+    """A NetworkPolicy peer, readably: `trainer` for this namespace's trainer pods, `internet` for the public
+    addresses, else its selectors."""
+    if "ipBlock" in peer:
+        block = peer["ipBlock"]
+        if block["cidr"] == "0.0.0.0/0" and set(block.get("except", [])) >= PRIVATE_RANGES:
+            return "internet"
+        return f"ipBlock {block['cidr']} except {block.get('except', [])}"
+    pod = peer.get("podSelector")
+    if "namespaceSelector" not in peer and pod is not None and set(pod.get("matchLabels", {})) == {COMPONENT} \
+            and not pod.get("matchExpressions"):
+        return str(pod["matchLabels"][COMPONENT])
+    parts = [f"ns[{_selector_text(peer['namespaceSelector'])}]"] if "namespaceSelector" in peer else []
+    return "/".join([*parts, f"pod[{_selector_text(pod)}]"] if pod is not None else parts)
+
+
+def _policies(objects: list[Obj], labels: dict[str, str], direction: str) -> list[Obj]:
+    return [obj for obj in objects if obj["kind"] == "NetworkPolicy" and direction in obj["spec"].get("policyTypes", [])
+            and selects(obj["spec"]["podSelector"], labels)]
+
+
+def _rule_ports(rule: Obj) -> list[tuple[int | str, str]]:
+    return [(port.get("port", "*"), port.get("protocol", "TCP")) for port in rule.get("ports", [])] or [("*", "*")]
+
+
+def ingress_doors(objects: list[Obj]) -> dict[str, set[str]]:
+    """`component:port/protocol` of every container port -> the peers NetworkPolicies let in (`*` = anyone)."""
+    doors: dict[str, set[str]] = {}
+    for container in containers(objects, init=False):
+        labels = container.workload["spec"]["template"]["metadata"]["labels"]
+        for port in container.spec.get("ports", []):
+            number, protocol = port["containerPort"], port.get("protocol", "TCP")
+            peers = doors.setdefault(f"{container.component}:{number}/{protocol}", set())
+            for policy in _policies(objects, labels, "Ingress"):
+                for rule in policy["spec"].get("ingress", []):
+                    if any(p in ("*", number, port.get("name")) and proto in ("*", protocol)
+                           for p, proto in _rule_ports(rule)):
+                        peers.update(peer_name(peer) for peer in rule.get("from", [])) if rule.get("from") \
+                            else peers.add("*")
+    return doors
+
+
+def egress_doors(objects: list[Obj]) -> dict[str, set[str]]:
+    """component -> `peer:port/protocol` NetworkPolicies let its pods connect to (`*` = anyone, any port)."""
+    doors: dict[str, set[str]] = {}
+    for workload in workloads(objects):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        allowed = doors.setdefault(labels[COMPONENT], set())
+        for policy in _policies(objects, labels, "Egress"):
+            for rule in policy["spec"].get("egress", []):
+                peers = [peer_name(peer) for peer in rule.get("to", [])] or ["*"]
+                allowed.update(f"{peer}:{port}/{proto}" for peer in peers for port, proto in _rule_ports(rule))
+    return doors
+
+
+def network_problems(objects: list[Obj], ingress: dict[str, set[str]], egress: dict[str, set[str]]) -> list[str]:
+    """Default deny both ways, and exactly the expected doors: every container port is in `ingress` (its allowed
+    peers, maybe none) and every workload's way out in `egress`."""
+    problems = []
+    denies = {direction for obj in objects if obj["kind"] == "NetworkPolicy" and obj["spec"]["podSelector"] == {}
+              for direction in obj["spec"].get("policyTypes", [])
+              if not obj["spec"].get(direction.lower())}
+    problems += [f"no default-deny NetworkPolicy for {d}" for d in ("Ingress", "Egress") if d not in denies]
+    for door, peers in sorted(ingress_doors(objects).items()):
+        if door not in ingress:
+            problems.append(f"port {door} has no decided door (allowed in: {sorted(peers)})")
+        elif peers != ingress[door]:
+            problems.append(f"port {door} lets in {sorted(peers)}, want {sorted(ingress[door])}")
+    problems += [f"port {door} is expected but nothing listens there" for door in ingress.keys()
+                 - ingress_doors(objects).keys()]
+    for component, ways in sorted(egress_doors(objects).items()):
+        if ways != egress.get(component):
+            problems.append(f"{component} may connect to {sorted(ways)}, want {sorted(egress.get(component, set()))}")
+    return problems
+
+
+def all_problems(objects: list[Obj], device: str, ingress: dict[str, set[str]], egress: dict[str, set[str]],
+                 env_example: dict[str, Any]) -> list[str]:
+    return [*settings_problems(objects, env_example), *gpu_problems(objects, device), *mount_problems(objects),
+            *resource_problems(objects), *security_problems(objects), *image_problems(objects, release_tag()),
+            *secret_problems(objects), *probe_problems(objects), *grace_problems(objects),
+            *discovery_problems(objects), *network_problems(objects, ingress, egress)]
+
