@@ -30,7 +30,8 @@ def lora_block(seed: int) -> torch.nn.Module:
 
 
 def run(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, torch.autocast("cpu", dtype=torch.bfloat16):
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, autocast:
         out = model(x)
         out.float().pow(2).mean().backward()
     activations = ([len(x), 32], [len(x), 64])  # the two layers' inputs; the weights' casts are not counted
