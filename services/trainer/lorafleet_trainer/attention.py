@@ -17,6 +17,7 @@ script run on a machine with PyTorch but no TRL.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -116,6 +117,12 @@ def torch_varlen_attn() -> Callable[..., Any] | None:
     return varlen_attn
 
 
+@functools.cache
+def _parameters(kernel: Callable[..., Any]) -> frozenset[str]:
+    """The keyword names `kernel` takes, read once: the call runs per layer and micro-batch, on the critical path."""
+    return frozenset(inspect.signature(kernel).parameters)
+
+
 def _max_len(cu_seqlens: torch.Tensor) -> int:
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()) if cu_seqlens.numel() > 1 else 0
 
@@ -166,7 +173,7 @@ def builtin_varlen_func(
     if heads_q % heads_k:
         raise UnsupportedAttention(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_k})")
     left, right = _window(causal, window_size)
-    accepts = inspect.signature(varlen_attn).parameters
+    accepts = _parameters(varlen_attn)
     options: dict[str, Any] = {"scale": softmax_scale}
     if "window_size" in accepts:
         options["window_size"] = (left, right)

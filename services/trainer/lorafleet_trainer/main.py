@@ -27,6 +27,7 @@ from lorafleet.vllm_api import VLLMError
 from lorafleet_trainer.recipes import RECIPES
 
 if TYPE_CHECKING:
+    from lorafleet_trainer.config import TrainerConfigs
     from lorafleet_trainer.lifecycle import RunLifecycle
 
 log = logging.getLogger("lorafleet_trainer")
@@ -72,9 +73,8 @@ def train(settings: Settings, dry_run: bool = False) -> int:
     """Build and run the trainer; returns the process exit code."""
     import torch
 
-    from lorafleet_trainer.attention import UnsupportedAttention, choose_backend, install
-    from lorafleet_trainer.config import build_configs, score_queue_groups
-    from lorafleet_trainer.cpu import install_cpu_support
+    from lorafleet_trainer.attention import UnsupportedAttention, choose_backend
+    from lorafleet_trainer.config import build_configs
     from lorafleet_trainer.exporter import exporter_callbacks
     from lorafleet_trainer.fleet import PreflightError, fleet_size, prepare_fleet
     from lorafleet_trainer.lifecycle import Limits, RunLifecycle, shield_rollout_worker
@@ -121,17 +121,39 @@ def train(settings: Settings, dry_run: bool = False) -> int:
     except (PreflightError, VLLMError) as exc:
         log_event(log, "refused", logging.ERROR, reason=str(exc))
         return EXIT_PREFLIGHT
-    if not cuda:
-        install_cpu_support(settings.trainer_cpu_threads)
-    install(attention.backend)
+    install_kernels(settings, attention.backend, cuda=cuda)
     retry_control_calls()  # a proxy restart mid-sync must not kill the run
     if checkpoint:
         log_event(
             log, "resuming", checkpoint=checkpoint.path, step=checkpoint.step, model_version=checkpoint.model_version
         )
 
+    trainer = build_trainer(settings, configs, [MetricsJsonl(settings.metrics_path), lifecycle,
+                                                *exporter_callbacks(settings)])
+    shield_rollout_worker(trainer, lifecycle)
+    return run_until_stopped(trainer, lifecycle, checkpoint.path if checkpoint else None)
+
+
+def install_kernels(settings: Settings, backend: str, *, cuda: bool) -> None:
+    """CPU support (no CUDA peak-FLOPs query, bounded threads) where there is no GPU, then the attention kernel."""
+    from lorafleet_trainer.attention import install
+    from lorafleet_trainer.cpu import install_cpu_support
+
+    if not cuda:
+        install_cpu_support(settings.trainer_cpu_threads)
+    install(backend)
+
+
+def build_trainer(settings: Settings, configs: TrainerConfigs, callbacks: list[Any]) -> Any:
+    """TRL's AsyncGRPOTrainer as lorafleet-train runs it: the recipe's data and rewards, LoRA, a bounded score queue.
+
+    Shared with the trainer benchmark (bench/trainer_bench.py), which times this very object.
+    """
     from transformers import PrinterCallback
     from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    from lorafleet_trainer.config import score_queue_groups
+    from lorafleet_trainer.lora_precision import autocast_adapter_inputs
 
     tokenizer, dataset, rewards = RECIPES[settings.trainer_recipe].build(settings)
     trainer = AsyncGRPOTrainer(
@@ -141,12 +163,13 @@ def train(settings: Settings, dry_run: bool = False) -> int:
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=configs.lora,
-        callbacks=[MetricsJsonl(settings.metrics_path), lifecycle, *exporter_callbacks(settings)],
+        callbacks=callbacks,
     )
     trainer.remove_callback(PrinterCallback)  # MetricsJsonl logs each step as one structured line instead
     bound_score_queue(trainer, score_queue_groups(configs.grpo.queue_maxsize, configs.grpo.num_generations))
-    shield_rollout_worker(trainer, lifecycle)
-    return run_until_stopped(trainer, lifecycle, checkpoint.path if checkpoint else None)
+    if configs.grpo.bf16:  # autocast runs the adapter's products in bf16: no float32 copies of their inputs
+        log_event(log, "lora_input_casts_off", layers=autocast_adapter_inputs(trainer.model))
+    return trainer
 
 
 def run_until_stopped(trainer: Any, lifecycle: RunLifecycle, resume_from: Path | None) -> int:

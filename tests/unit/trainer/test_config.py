@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from lorafleet.settings import ConfigError, Settings
-from lorafleet_trainer.config import build_configs, score_queue_groups, use_bf16
+from lorafleet_trainer.config import base_dtype, build_configs, score_queue_groups, use_bf16
 from lorafleet_trainer.main import FLAG_FIELDS, build_parser, main, resolve_settings
 from lorafleet_trainer.recipes import RECIPES
 
@@ -148,3 +148,13 @@ def test_score_queue_bound_reaches_the_rollout_childs_kwargs():
     worker = SimpleNamespace(_loop_kwargs={"queue_maxsize": 8})
     bound_score_queue(SimpleNamespace(rollout_worker=worker), 2)
     assert worker._loop_kwargs == {"queue_maxsize": 8, "score_queue_maxsize": 2}
+
+
+@pytest.mark.parametrize(("bf16", "dtype"), [(True, "bfloat16"), (False, "float32")])
+def test_the_frozen_base_is_loaded_in_the_mixed_precision_dtype(bf16, dtype):
+    # bf16 autocast runs the base's matmuls in bf16 either way: a float32 copy only costs memory and casts.
+    assert base_dtype(bf16) == dtype
+
+
+def test_the_cpu_trainer_keeps_float32_weights():
+    assert configs().grpo.dtype == "float32"  # CPU: no autocast, the replicas serve float32

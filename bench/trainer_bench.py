@@ -1,0 +1,528 @@
+"""The trainer's real speed: lorafleet-train's AsyncGRPOTrainer at the published run's shape, side by side.
+
+`make bench-trainer` (an H200 or any CUDA GPU) runs the project's own trainer path: settings with the `math`
+recipe's defaults (G=8, LoRA r=1 alpha 2 all-linear, token budget 16,384 x 6 accumulation steps, completions up
+to 3,000 tokens), `build_configs`, the attention backend choice, `build_trainer` (TRL 1.16's AsyncGRPOTrainer +
+PEFT), bf16 mixed precision, on the Qwen2.5-Math-1.5B architecture (`trainer_shape.QWEN25_MATH_1_5B`, config
+written offline, random weights: no Hub). Generation is `vllm_standin.py`, a test double speaking the vLLM routes
+TRL calls that answers at once, so the figures are the trainer's alone, never starved by generation.
+
+Each configuration runs in its own process (a clean CUDA context and peak-memory counter): warm-up steps, timed
+steps, then one step under the torch profiler. Results go to `--out` (JSON) as each configuration finishes;
+`--table FILE` prints the README's table from such a JSON. `--tiny` is the same path on CPU at a tiny shape
+(tests/integration/test_trainer_bench.py runs it).
+
+MFU is TRL's own `perf/mfu_fwd_bwd`: forwarded tokens per second of forward+backward x
+`compute_flops_per_token` (3 x forward FLOPs: 2 x (QKV + O + MLP + 2 x heads x head_dim x mean sequence length)
+per layer, plus the LM head's 2 x vocab x hidden) / 989 TFLOP/s (TRL's dense bf16 peak of an H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import queue
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from trainer_shape import QWEN25_MATH_1_5B, TINY, qwen2_config  # noqa: E402
+
+REFERENCE = {"fwd_bwd_s": 4.6, "step_s": 4.8, "mfu_fwd_bwd": 23.5, "source": "published reference deployment, run 5"}
+GOALS = {"fwd_bwd_s": 3.0, "mfu_fwd_bwd": 30.0, "peak_gib_without_checkpointing": 60.0}
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One configuration of the trainer, as settings (the names lorafleet-train reads) plus the bench's step counts."""
+
+    name: str
+    attention: str = "builtin"
+    gradient_checkpointing: bool = False
+    token_budget: int = 16384
+    gradient_accumulation_steps: int = 6
+    model_dtype: str = ""  # "" = what build_configs chooses; "float32" = the frozen base in float32 (TRL's default)
+    peft_input_casts: bool = False  # True = PEFT's own float32 copy of every LoRA layer's input (before lorafleet)
+    warmup_steps: int = 2
+    timed_steps: int = 4
+    profiled: bool = True
+
+    def settings(self) -> dict[str, Any]:
+        return {"trainer_attention": self.attention, "gradient_checkpointing": self.gradient_checkpointing,
+                "token_budget": self.token_budget, "gradient_accumulation_steps": self.gradient_accumulation_steps}
+
+
+# Same tokens per optimizer step in every row (16,384 x 6 = 98,304, the reference's budget) except where the
+# micro-batch itself is what is compared.
+CONFIGS = [
+    BenchConfig("builtin"),
+    BenchConfig("builtin-peft-casts", peft_input_casts=True),
+    BenchConfig("torch", attention="torch", warmup_steps=1, timed_steps=2, profiled=False),
+    BenchConfig("builtin-ckpt", gradient_checkpointing=True, profiled=False),
+    BenchConfig("builtin-32k", token_budget=32768, gradient_accumulation_steps=3, profiled=False),
+    BenchConfig("builtin-fp32-base", model_dtype="float32", profiled=False),
+]
+TINY_CONFIGS = [BenchConfig("tiny", attention="torch", token_budget=1024, gradient_accumulation_steps=2,
+                            warmup_steps=1, timed_steps=2, profiled=False)]
+
+
+# --- the workload: model, tokenizer, prompts --------------------------------------------------------------------
+
+
+def build_workload(work: Path, tiny: bool) -> dict[str, Any]:
+    """Model dir (config + random weights + the offline tokenizer) and a problem/solution JSONL, built once."""
+    import torch
+    from lorafleet.tiny import WORDS, build_tokenizer
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    shape = TINY if tiny else QWEN25_MATH_1_5B
+    model_dir = work / "model"
+    tokenizer = build_tokenizer(seed=0)
+    if not (model_dir / "config.json").exists():
+        config = qwen2_config(shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                                   pad_token_id=tokenizer.pad_token_id)
+        model.save_pretrained(model_dir, safe_serialization=True)
+        tokenizer.save_pretrained(model_dir)
+        del model
+    dataset = work / "problems.jsonl"
+    if not dataset.exists():
+        rng = random.Random(0)
+        with dataset.open("w") as out:
+            for _ in range(2000):
+                problem = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 120)))
+                out.write(json.dumps({"problem": problem, "solution": f"\\boxed{{{rng.randint(0, 999)}}}"}) + "\n")
+    return {"model_dir": str(model_dir), "dataset": str(dataset), "token_ids": len(tokenizer),
+            "eos": tokenizer.eos_token_id, "model_vocab": shape["vocab_size"], "shape": shape}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_standin(workload: dict[str, Any], tiny: bool) -> tuple[subprocess.Popen, str]:
+    """The stand-in vLLM server in its own process (off the trainer's interpreter lock); waits for /health."""
+    import requests
+
+    port = free_port()
+    command = [sys.executable, str(HERE / "vllm_standin.py"), "--port", str(port), "--model", workload["model_dir"],
+               "--token-ids", str(workload["token_ids"]), "--eos", str(workload["eos"]),
+               "--model-vocab", str(workload["model_vocab"]), *(["--tiny"] if tiny else [])]
+    process = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the vLLM stand-in exited with {process.returncode}")
+        try:
+            if requests.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except requests.RequestException:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("the vLLM stand-in did not answer /health within 60 s")
+
+
+# --- one configuration, in its own process ----------------------------------------------------------------------
+
+
+class StepClock:
+    """A TrainerCallback: GPU-synchronised step times, peak memory after the timed steps, and a profile of one step.
+
+    Given to the trainer before TRL's own callbacks, so a step ends here before TRL's weight sync runs.
+    """
+
+    def __init__(self, config: BenchConfig, cuda: bool) -> None:
+        self.config, self.cuda = config, cuda
+        self.started = 0.0
+        self.step_s: list[float] = []
+        self.peak_gib: float | None = None
+        self.reserved_gib: float | None = None
+        self.profile: dict[str, Any] | None = None
+        self._profiler: Any = None
+        self.trainer: Any = None
+
+    def _sync(self) -> float:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _last_timed(self) -> int:
+        return self.config.warmup_steps + self.config.timed_steps
+
+    def callback(self) -> Any:
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+                step = state.global_step + 1
+                if step == clock._last_timed() + 1 and clock.config.profiled and clock.cuda:
+                    clock._start_profiler()
+                clock.started = clock._sync()
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+                elapsed = clock._sync() - clock.started
+                step = state.global_step
+                if clock.config.warmup_steps < step <= clock._last_timed():
+                    clock.step_s.append(elapsed)
+                if step == clock._last_timed() and clock.cuda:
+                    import torch
+
+                    clock.peak_gib = torch.cuda.max_memory_allocated() / GIB
+                    clock.reserved_gib = torch.cuda.max_memory_reserved() / GIB
+                if clock._profiler is not None:
+                    clock._stop_profiler(elapsed)
+
+            def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+                # Measuring is over: ask the rollout child to stop and drain the sample queue it may be blocked
+                # on, so that TRL's stop() finds it gone instead of waiting 15 s before terminating it.
+                worker = getattr(clock.trainer, "rollout_worker", None)
+                process = getattr(worker, "_process", None)
+                if process is None:
+                    return
+                worker._stop_event_mp.set()
+                deadline = time.monotonic() + 10
+                while process.is_alive() and time.monotonic() < deadline:
+                    with contextlib.suppress(queue.Empty):
+                        worker.rollout_buffer.get(timeout=0.1)
+
+        return _Callback()
+
+    def _start_profiler(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True)
+        self._profiler.__enter__()
+
+    def _stop_profiler(self, wall_s: float) -> None:
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        self.profile = summarize_profile(profiler.events(), wall_s)
+
+
+MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::_grouped_mm"}
+MOVES = {"aten::copy_", "aten::_to_copy", "aten::index_select", "aten::index", "aten::gather", "aten::scatter",
+         "aten::scatter_add_", "aten::cat", "aten::masked_scatter", "aten::nonzero", "aten::index_put_",
+         "aten::index_add_", "aten::clone", "aten::embedding_dense_backward", "aten::embedding"}
+ATTENTION_WORDS = ("attn", "attention", "flash", "varlen")
+
+
+def _category(event: Any, rank: int) -> str:
+    """Where one CPU-side op's own GPU time goes (its own kernels, not its children's)."""
+    ancestors, parent = [], event.cpu_parent
+    while parent is not None:
+        ancestors.append(parent.name)
+        parent = parent.cpu_parent
+    if any(name.startswith(("Optimizer.step", "Optimizer.zero_grad")) for name in ancestors):
+        return "optimizer"
+    name = event.name
+    lowered = [name.lower(), *(ancestor.lower() for ancestor in ancestors)]
+    if any(word in text for text in lowered for word in ATTENTION_WORDS):
+        return "attention"
+    if name in MATMULS:
+        shapes = [shape for shape in (event.input_shapes or []) if shape]
+        if any(rank in shape[-2:] for shape in shapes):
+            return "lora_matmul"
+        return "base_and_head_matmul"
+    if name in MOVES or name.startswith(("cudaMemcpy", "cudaMemset", "Memcpy", "Memset")):
+        return "data_movement"
+    return "other"  # elementwise work, norms, and Triton kernels such as TRL's fused log-probabilities
+
+
+def summarize_profile(events: Any, wall_s: float, rank: int = 1) -> dict[str, Any]:
+    """Shares of one profiled step's GPU time by category, and the GPU's busy share of the step's wall time."""
+    from torch.autograd import DeviceType
+
+    device_us: dict[str, float] = defaultdict(float)
+    for event in events:
+        if event.device_type != DeviceType.CPU or event.self_device_time_total <= 0:
+            continue
+        device_us[_category(event, rank)] += event.self_device_time_total
+    busy_s = sum(device_us.values()) / 1e6
+    return {
+        "wall_s": round(wall_s, 3),
+        "gpu_busy_s": round(busy_s, 3),
+        "gpu_idle_share": round(max(0.0, 1 - busy_s / wall_s), 3) if wall_s else None,
+        "share_of_gpu_time": {key: round(value / 1e6 / busy_s, 3) for key, value in
+                              sorted(device_us.items(), key=lambda item: -item[1])} if busy_s else {},
+    }
+
+
+def _stats(values: list[float]) -> dict[str, float] | None:
+    values = sorted(value for value in values if value is not None)
+    if not values:
+        return None
+    p90 = values[min(len(values) - 1, round(0.9 * (len(values) - 1)))]
+    return {"median": round(statistics.median(values), 4), "p90": round(p90, 4), "n": len(values)}
+
+
+def step_metrics(metrics_path: Path, first: int, last: int) -> dict[str, Any]:
+    """TRL's own per-step metrics (metrics.jsonl, one line per step) over steps first..last."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = [row for row in rows if first <= row.get("step", 0) <= last and "perf/fwd_bwd_s" in row]
+    keys = ("perf/step_s", "perf/fwd_bwd_s", "perf/fwd_s", "perf/optimizer_s", "perf/rollout_wait_s",
+            "perf/mfu_fwd_bwd", "perf/mfu_wall_clock", "perf/trained_tok_s_wall_clock",
+            "perf/forwarded_tok_s_fwd_bwd", "batch/forwarded_tokens_per_step", "batch/trained_tokens_per_step",
+            "batch/samples_per_step", "batch/samples_per_row", "batch/microbatches_per_step", "batch/row_fill_frac",
+            "ratio")
+    out = {key: _stats([row[key] for row in rows if isinstance(row.get(key), int | float)]) for key in keys}
+    every = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    sync_keys = ("perf/weight_sync_s", "perf/weight_sync_transfer_s")
+    out.update({key: _stats([row[key] for row in every if isinstance(row.get(key), int | float)]) for key in sync_keys})
+    return out
+
+
+def run_one(config: BenchConfig, workload: dict[str, Any], url: str, work: Path, tiny: bool) -> dict[str, Any]:
+    """Train `config` for warm-up + timed (+ profiled) steps through lorafleet-train's own building blocks."""
+    import torch
+    from lorafleet_trainer.attention import choose_backend
+    from lorafleet_trainer.config import build_configs
+    from lorafleet_trainer.main import build_trainer, install_kernels, resolve_settings
+    from lorafleet_trainer.run_state import MetricsJsonl
+    from trl.experimental.async_grpo import async_rollout_worker
+
+    # The generation side is the stand-in, reached over HTTP only: TRL's worker needs no vLLM installed for that.
+    async_rollout_worker.is_vllm_available = lambda *_: True
+    steps = config.warmup_steps + config.timed_steps + (1 if config.profiled else 0)
+    overrides = {
+        "trainer_recipe": "math", "base_model": workload["model_dir"], "dataset_path": workload["dataset"],
+        "adapter_root": str(work / "adapters"), "run_name": config.name, "trainer_vllm_url": url,
+        "trainer_replicas": 1, "max_steps": steps, "save_steps": 100_000, "trainer_resume": False,
+        "trainer_metrics_port": 0, "trainer_report_to": "none", **config.settings(),
+    }
+    if tiny:
+        overrides.update({"max_completion_length": 24, "num_generations": 4, "max_inflight_per_replica": 16,
+                          "weight_sync_steps": 2, "trainer_cpu_threads": 1})
+    settings = resolve_settings(overrides)
+    cuda = torch.cuda.is_available()
+    backend = choose_backend(settings.trainer_attention, cuda=cuda).backend
+    configs = build_configs(settings, replicas=1, cuda=cuda)
+    if config.model_dtype:
+        configs.grpo.dtype = config.model_dtype
+    install_kernels(settings, backend, cuda=cuda)
+    clock = StepClock(config, cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer = build_trainer(settings, configs, [MetricsJsonl(settings.metrics_path), clock.callback()])
+    clock.trainer = trainer
+    if config.peft_input_casts:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for module in trainer.model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.cast_input_dtype_enabled = True
+    started = time.perf_counter()
+    trainer.train()
+    trl = step_metrics(settings.metrics_path, config.warmup_steps + 1, config.warmup_steps + config.timed_steps)
+    return {
+        **asdict(config), "backend": backend, "bf16": configs.grpo.bf16, "model_dtype": configs.grpo.dtype,
+        "tokens_per_step": config.token_budget * config.gradient_accumulation_steps,
+        "trainer_step_s": _stats(clock.step_s), "peak_gib": clock.peak_gib, "reserved_gib": clock.reserved_gib,
+        "trl": trl, "profile": clock.profile, "train_wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+# --- the whole benchmark ----------------------------------------------------------------------------------------
+
+
+def environment() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    import torch
+
+    versions = {name: md.version(name) for name in ("torch", "transformers", "trl", "peft", "accelerate")}
+    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "python": platform.python_version(), **versions}
+
+
+def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    workload = build_workload(work, args.tiny)
+    (work / "workload.json").write_text(json.dumps(workload))
+    configs = TINY_CONFIGS if args.tiny else CONFIGS
+    if args.configs:
+        wanted = args.configs.split(",")
+        configs = [config for config in configs if config.name in wanted]
+    report: dict[str, Any] = {
+        "command": " ".join(["python", "bench/trainer_bench.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **environment(),
+        "shape": {**workload["shape"], "lora": "r=1 alpha=2 all-linear", "num_generations": 8,
+                  "max_completion_length": 24 if args.tiny else 3000, "precision": "bf16 mixed",
+                  "generation": "stand-in (bench/vllm_standin.py): no model runs; random tokens at published lengths"},
+        "reference": REFERENCE, "goals": GOALS, "configs": [],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget_s
+    for config in configs:
+        remaining = deadline - time.monotonic()
+        if remaining < 60:
+            result = {**asdict(config), "error": f"skipped: the run's --budget-s {args.budget_s:.0f} was spent"}
+        else:
+            result = run_config(config, workload, work, args, min(args.config_timeout, remaining))
+        report["configs"].append(result)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"[bench-trainer] {config.name}: {summary_line(result)}", flush=True)
+    return report
+
+
+def run_config(config: BenchConfig, workload: dict[str, Any], work: Path, args: argparse.Namespace,
+               timeout: float) -> dict[str, Any]:
+    """One configuration in its own process group, against its own fresh stand-in (TRL numbers adapters from v1)."""
+    import signal
+
+    result_file = work / f"{config.name}.json"
+    result_file.unlink(missing_ok=True)
+    shutil.rmtree(work / "adapters" / "runs" / config.name, ignore_errors=True)  # metrics.jsonl appends
+    started = time.perf_counter()
+    standin, url = start_standin(workload, args.tiny)
+    command = [sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(asdict(config)),
+               "--work", str(work), "--standin", url, "--result", str(result_file), *(["--tiny"] if args.tiny else [])]
+    process = subprocess.Popen(command, start_new_session=True)
+    try:
+        code: int | str = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the trainer and its rollout child
+        process.wait()
+        code = f"killed at the {timeout:.0f} s limit"
+    finally:
+        standin.terminate()
+        standin.wait(timeout=10)
+    wall_s = round(time.perf_counter() - started, 1)
+    if result_file.exists():
+        return {**json.loads(result_file.read_text()), "process_wall_s": wall_s}
+    return {**asdict(config), "error": f"exit code {code} after {wall_s:.0f} s"}
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    if "error" in result:
+        return f"FAILED ({result['error']})"
+    trl = result["trl"]
+    return (f"fwd+bwd {_med(trl, 'perf/fwd_bwd_s')} s, step {_med(trl, 'perf/step_s')} s, "
+            f"trainer step (synced) {(result['trainer_step_s'] or {}).get('median')} s, "
+            f"MFU {_med(trl, 'perf/mfu_fwd_bwd')}%, peak {result['peak_gib'] and round(result['peak_gib'], 1)} GiB")
+
+
+def _med(trl: dict[str, Any], key: str) -> Any:
+    value = (trl.get(key) or {}).get("median")
+    return None if value is None else round(value, 3 if "mfu" not in key else 1)
+
+
+def _p90(trl: dict[str, Any], key: str) -> Any:
+    value = (trl.get(key) or {}).get("p90")
+    return None if value is None else round(value, 3)
+
+
+def table(report: dict[str, Any]) -> str:
+    """The README's table, from the JSON."""
+    lines = [
+        f"`{report['command']}` on {report['gpu']}, {report['date']} (torch {report['torch']}, transformers "
+        f"{report['transformers']}, TRL {report['trl']}, PEFT {report['peft']}). Generation: the stand-in, not vLLM.",
+        "",
+        "| configuration | attention | grad. ckpt | tokens/micro-batch x steps | fwd+bwd s (TRL, median) | fwd+bwd+"
+        "optimizer s (GPU-synced) | step s (median / p90) | trained tok/s | MFU % (TRL) | peak GiB | adapter publish "
+        "s (save) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in report["configs"]:
+        if "error" in result:
+            checkpointing = "on" if result["gradient_checkpointing"] else "off"
+            lines.append(f"| {result['name']} | {result['attention']} | {checkpointing} | {result['token_budget']:,} x "
+                         f"{result['gradient_accumulation_steps']} | failed: {result['error']} | | | | | | |")
+            continue
+        trl = result["trl"]
+        lines.append(
+            f"| {result['name']} | {result['backend']} | {'on' if result['gradient_checkpointing'] else 'off'} | "
+            f"{result['token_budget']:,} x {result['gradient_accumulation_steps']} | {_med(trl, 'perf/fwd_bwd_s')} | "
+            f"{_med(result, 'trainer_step_s')} | {_med(trl, 'perf/step_s')} / {_p90(trl, 'perf/step_s')} | "
+            f"{_fmt_int(_med(trl, 'perf/trained_tok_s_wall_clock'))} | {_med(trl, 'perf/mfu_fwd_bwd')} | "
+            f"{result['peak_gib'] and round(result['peak_gib'], 1)} | {_med(trl, 'perf/weight_sync_s')} "
+            f"({_med(trl, 'perf/weight_sync_transfer_s')}) |")
+    lines.append(f"| reference (run 5) | FA3 | off | 16,384 x 6 | {REFERENCE['fwd_bwd_s']} | | "
+                 f"{REFERENCE['step_s']} | | {REFERENCE['mfu_fwd_bwd']} | | |")
+    profiled = [result for result in report["configs"] if result.get("profile")]
+    if profiled:
+        lines += ["", "| configuration (one profiled step) | GPU idle | " + " | ".join(PROFILE_COLUMNS) + " |",
+                  "|---|---|" + "---|" * len(PROFILE_COLUMNS)]
+        for result in profiled:
+            shares = result["profile"]["share_of_gpu_time"]
+            lines.append(f"| {result['name']} | {_pct(result['profile']['gpu_idle_share'])} | "
+                         + " | ".join(_pct(shares.get(column, 0.0)) for column in PROFILE_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+PROFILE_COLUMNS = ("base_and_head_matmul", "attention", "lora_matmul", "optimizer", "data_movement", "other")
+
+
+def _pct(value: float | None) -> str:
+    return "" if value is None else f"{100 * value:.1f}%"
+
+
+def _fmt_int(value: float | None) -> str:
+    return "" if value is None else f"{value:,.0f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="results/bench-trainer.json")
+    parser.add_argument("--work", default="results/bench-trainer-work", help="model, data and run folders")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke: tiny model, the pure-PyTorch kernel")
+    parser.add_argument("--configs", default="", help="comma-separated configuration names (default: all)")
+    parser.add_argument("--config-timeout", type=float, default=420.0, help="seconds one configuration may take")
+    parser.add_argument("--budget-s", type=float, default=3600.0, help="seconds for all configurations together")
+    parser.add_argument("--table", metavar="JSON", help="print the README table of a result file and exit")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--standin", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    os.environ["LORAFLEET_ENV_FILE"] = ""  # a developer's .env must not steer the benchmark
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return 0
+    if args.one:
+        config = BenchConfig(**json.loads(args.one))
+        work = Path(args.work)
+        workload = json.loads((work / "workload.json").read_text())
+        result = run_one(config, workload, args.standin, work, args.tiny)
+        Path(args.result).write_text(json.dumps(result, indent=2))
+        return 0
+    if not args.tiny:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("trainer_bench: the published shape needs a CUDA GPU (this python's torch sees none); "
+                  "--tiny runs the same path on CPU", file=sys.stderr)
+            return 2
+    report = run_all(args)
+    print(table(report))
+    return 0 if all("error" not in result for result in report["configs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

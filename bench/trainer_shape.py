@@ -1,0 +1,69 @@
+"""The trainer benchmark's workload: the published run's model architecture and rollout lengths, in one place.
+
+`QWEN25_MATH_1_5B` holds the architecture fields of Qwen/Qwen2.5-Math-1.5B's config.json (hidden 1536, 28
+layers, 12 query / 2 key-value heads, intermediate 8960, vocabulary 151,936, tied embeddings, rope theta 10000,
+4096 positions), written here because the benchmark builds the model offline with random weights: no Hub.
+tests/unit/trainer/test_trainer_bench.py keeps them equal to the published file's values.
+
+Completion lengths are drawn log-normally (median 1,000 tokens, sigma 0.6, capped at the recipe's 3,000), so TRL's
+token-budget batcher packs ~13 samples per 16,384-token row, as the published run reports (12.7 samples per row,
+rows 95% full). `TINY` is a few-second CPU stand-in of the same shape family for the smoke test.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+QWEN25_MATH_1_5B: dict[str, Any] = {
+    "model_type": "qwen2",
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "use_sliding_window": False,
+}
+# The tiny CPU smoke shape: the same architecture family, small enough for a unit-test budget.
+TINY: dict[str, Any] = {
+    **QWEN25_MATH_1_5B,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 2048,
+    "max_position_embeddings": 512,
+}
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Log-normal completion lengths, clipped to [minimum, cap]; `cap` also means "hit max_tokens"."""
+
+    median: int = 1000
+    sigma: float = 0.6
+    minimum: int = 32
+
+    def draw(self, rng: random.Random, cap: int) -> int:
+        return max(min(self.minimum, cap), min(cap, int(rng.lognormvariate(math.log(self.median), self.sigma))))
+
+
+PUBLISHED_LENGTHS = Lengths()
+TINY_LENGTHS = Lengths(median=12, sigma=0.5, minimum=2)
+
+
+def qwen2_config(shape: dict[str, Any], *, eos_token_id: int, pad_token_id: int) -> Any:
+    """A transformers Qwen2Config of `shape`, with the tokenizer's special ids (the bench's tokenizer is offline)."""
+    from transformers import Qwen2Config
+
+    fields = {key: value for key, value in shape.items() if key != "model_type"}
+    return Qwen2Config(**fields, bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
