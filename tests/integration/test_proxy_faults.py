@@ -289,6 +289,42 @@ async def test_dead_replica_is_ejected_and_a_returning_one_resyncs_before_traffi
     assert reborn.loads() == ["trl-policy-v1", "trl-policy-v2"], "catch-up must load the ledger in order"
 
 
+@pytest.mark.parametrize("status", [500, 503])
+async def test_a_replica_that_answers_health_but_cannot_generate_is_never_admitted(tmp_path: Path,
+                                                                                   status: int) -> None:
+    """Ready means it generates: /health 200 with an engine that fails every request (vLLM's CPU image without a
+    C++ compiler) stays out of traffic, with the replica's own error, until a warm-up completion succeeds."""
+    fakes, servers = await start_fakes(2)
+    fakes[1].faults.completion_status = status
+    proxy = await start_proxy([s.url for s in servers], tmp_path)
+    view = Fleet(fakes, servers, proxy, tmp_path)
+    try:
+        async def one_ready_one_mute() -> dict[str, Any] | None:
+            snapshot = await view.fleet()
+            mute = snapshot["replicas"][1]
+            return snapshot if snapshot["replicas"][0]["state"] == "ready" and mute["generates"] is False else None
+
+        snapshot = await until(one_ready_one_mute, "the mute replica reported")
+        mute = snapshot["replicas"][1]
+        assert mute["state"] == "syncing" and mute["adapters"] == {}, mute
+        assert mute["last_error"].startswith(f"sync: {status}") and "cannot generate" in mute["last_error"]
+        assert ENGINE_DEAD in mute["last_error"], "the replica's own error is kept"
+        assert (await view.load("trl-policy-v1")).status_code == 200  # broadcasts go to ready replicas only
+        for seed in range(6):
+            response = await view.http.post("/v1/completions", json=_completion(list(range(seed, seed + 40))))
+            assert response.status_code == 200 and response.headers["x-proxy-upstream"] == servers[0].url
+        assert (await view.fleet())["replicas"][1]["routed"] == 0
+        fakes[1].faults.completion_status = None  # the engine recovers (say, restarted with a compiler)
+        admitted = await view.wait_states("ready", "ready", timeout=15)
+        assert admitted["replicas"][1]["generates"] is True and admitted["replicas"][1]["last_error"] is None
+        assert "trl-policy-v1" in fakes[1].adapters, "admitted only after catch-up"
+    finally:
+        await view.http.aclose()
+        await proxy.stop()
+        for server in servers:
+            await server.stop()
+
+
 @pytest.mark.parametrize("fleet", [(2, {"proxy_health_interval_s": 60.0, "proxy_eject_after": 5})], indirect=True)
 async def test_a_routed_request_refused_by_a_replica_ejects_it_at_once(fleet: Fleet) -> None:
     """Refused = nothing listens: the routed call that finds out ejects it, without waiting for health checks."""
