@@ -566,6 +566,7 @@ async def test_ratio_is_read_from_the_runs_metrics_file(fleet, settings):
     ({"replica_device": "cpu", "trainer_ranks": 2, "vllm_cpu_sets": "0;1"}, Status.PASS,
      ["TRAINER_RANKS=2 rank(s) on CPU", "2 core set(s)"]),
     ({"replica_device": "cpu"}, Status.PASS, ["TRAINER_RANKS=1 rank(s) on CPU"]),
+    ({}, Status.SKIP, ["GPU layout at its defaults"]),
 ])
 def test_layout_states_the_trainers_ranks_and_warns_on_a_shared_gpu(values, status, words):
     result = check_layout(load_settings(base_model=MODEL, **values))

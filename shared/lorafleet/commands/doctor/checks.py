@@ -434,6 +434,10 @@ def check_layout(settings: Settings) -> CheckResult:
     if settings.replica_device == "cpu":
         return CheckResult(name, Status.PASS, f"trainer: TRAINER_RANKS={settings.trainer_ranks or 1} rank(s) on CPU; "
                            f"replicas on CPU: {len(settings.cpu_pool)} core set(s) in VLLM_CPU_SETS")
+    if not {"trainer_gpus", "vllm_gpus"} & settings.model_fields_set:
+        return CheckResult(name, Status.SKIP, f"GPU layout at its defaults (TRAINER_GPUS={settings.trainer_gpus}, "
+                           f"VLLM_GPUS={settings.vllm_gpus}): nothing to judge",
+                           "for a one-box GPU stack set both, disjoint (.env.example)")
     trainer = (f"trainer: TRAINER_GPUS={settings.trainer_gpus} -> {len(settings.trainer_gpu_list)} rank(s) on GPUs "
                f"(TRAINER_SHARDING={settings.trainer_sharding})")
     shared = gpus_shared(settings)
