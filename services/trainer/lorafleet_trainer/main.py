@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         select_gpus(settings, os.environ)
         plan = plan_for(settings, context, cuda_devices())
         pin_cpu_device(plan, os.environ)
-        if plan.world_size > 1 and not context.launched and not args.dry_run:
+        if plan.launched and not context.launched and not args.dry_run:
             return Launcher(plan, sys.argv[1:] if argv is None else argv).run()
         return train(settings, plan, context, dry_run=args.dry_run)
     except ConfigError as exc:

@@ -47,7 +47,12 @@ class RankPlan:
 
     world_size: int
     device: Device
-    sharding: Sharding  # "none" with one rank
+    sharding: Sharding  # "none": one plain process, no process group
+
+    @property
+    def launched(self) -> bool:
+        """Trains in launched rank processes (a process group), not in the entrypoint's own process."""
+        return self.sharding != "none"
 
     @property
     def backend(self) -> str:
@@ -55,25 +60,27 @@ class RankPlan:
 
     def summary(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "sharding": self.sharding,
-                "backend": self.backend if self.world_size > 1 else None}
+                "backend": self.backend if self.launched else None}
 
 
 def choose_sharding(requested: str, device: Device, world_size: int) -> Sharding:
-    """TRAINER_SHARDING for `world_size` ranks: auto = FSDP2 on GPUs (the reference's), DDP on CPU.
+    """TRAINER_SHARDING for `world_size` ranks: auto = FSDP2 on GPUs (the reference's), DDP on CPU, nothing
+    for one rank; fsdp2 asked for on one GPU runs that GPU as an FSDP2 rank (checkpoints in FSDP2's format,
+    and the same code path as several GPUs for a like-for-like timing).
 
     On CPU accelerate (1.15) drops an FSDP plugin and runs DDP: its AcceleratorState turns FSDP on only
     for accelerator process groups (MULTI_GPU, ...), not MULTI_CPU, although torch's `fully_shard` itself
     runs on gloo. So fsdp2 on CPU is refused rather than silently replaced.
     """
-    if world_size == 1:
-        return "none"
-    if requested == "auto":
-        return "fsdp2" if device == "cuda" else "ddp"
     if requested == "fsdp2" and device == "cpu":
         raise ConfigError(
             "TRAINER_SHARDING=fsdp2 cannot run on CPU: accelerate enables FSDP only on GPUs and would silently run "
             "DDP; set TRAINER_SHARDING=ddp (or auto) for CPU ranks"
         )
+    if world_size == 1:
+        return "fsdp2" if requested == "fsdp2" else "none"
+    if requested == "auto":
+        return "fsdp2" if device == "cuda" else "ddp"
     return requested  # type: ignore[return-value]
 
 
@@ -143,11 +150,7 @@ class RankContext:
     local_rank: int = 0
     world_size: int = 1
     launcher_pid: int | None = None  # the lorafleet launcher that started it; None under torchrun or alone
-
-    @property
-    def launched(self) -> bool:
-        """Started as one of several ranks (by this launcher, torchrun or accelerate)."""
-        return self.world_size > 1
+    launched: bool = False  # started as a rank (by this launcher, torchrun or accelerate: WORLD_SIZE is set)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> RankContext:
@@ -155,7 +158,8 @@ class RankContext:
             return cls()
         launcher = environ.get(LAUNCHER_PID)
         return cls(rank=int(environ.get("RANK", "0")), local_rank=int(environ.get("LOCAL_RANK", "0")),
-                   world_size=int(environ["WORLD_SIZE"]), launcher_pid=int(launcher) if launcher else None)
+                   world_size=int(environ["WORLD_SIZE"]), launcher_pid=int(launcher) if launcher else None,
+                   launched=True)
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -69,8 +69,16 @@ def test_ddp_is_selectable_and_fsdp2_on_cpu_is_refused_not_replaced():
     assert plan_ranks(settings(trainer_gpus="0,1", trainer_sharding="ddp"), 2).sharding == "ddp"
     assert plan_ranks(settings(trainer_ranks="2", trainer_sharding="ddp"), 0).sharding == "ddp"
     assert plan_ranks(settings(trainer_sharding="ddp"), 1).sharding == "none"  # one rank shares nothing
-    with pytest.raises(ConfigError, match="TRAINER_SHARDING=fsdp2 cannot run on CPU"):
-        plan_ranks(settings(trainer_ranks="2", trainer_sharding="fsdp2"), 0)
+    for ranks in ("1", "2"):
+        with pytest.raises(ConfigError, match="TRAINER_SHARDING=fsdp2 cannot run on CPU"):
+            plan_ranks(settings(trainer_ranks=ranks, trainer_sharding="fsdp2"), 0)
+
+
+def test_one_gpu_runs_in_process_unless_fsdp2_is_asked_for():
+    assert not plan_ranks(settings(), 1).launched
+    one = plan_ranks(settings(trainer_sharding="fsdp2"), 1)
+    assert (one.world_size, one.sharding, one.launched) == (1, "fsdp2", True)  # a launched FSDP2 rank of its own
+    assert plan_for(settings(trainer_sharding="fsdp2"), RankContext.from_environ(rank_env({}, 0, 1, 1)), 1) == one
 
 
 @pytest.mark.parametrize(("values", "visible", "message"), [
@@ -95,8 +103,9 @@ def test_a_rank_takes_its_plan_from_the_launcher_environment():
     plan = plan_for(settings(), context, 0)  # TRAINER_RANKS unset: the launcher's world size wins
     assert (plan.world_size, plan.sharding) == (2, "ddp")
     assert RankContext.from_environ({}) == RankContext()  # alone: rank 0 of 1, not launched
-    torchrun = RankContext.from_environ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4"})
-    assert torchrun.launched and torchrun.launcher_pid is None
+    assert not RankContext().launched
+    torchrun = RankContext.from_environ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
+    assert torchrun.launched and torchrun.launcher_pid is None  # a launched rank, even alone, never launches again
 
 
 def test_trainer_gpus_become_the_visible_gpus_unless_already_chosen():
