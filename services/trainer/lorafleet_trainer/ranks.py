@@ -234,8 +234,8 @@ class Launcher:
                 index, code = failed[0]
                 if self.signals < 2:  # after a forced stop, non-zero exits are what was asked for
                     log_event(log, "rank_failed", logging.ERROR, rank=index, exit_code=exit_code(code),
-                              action="stopping every rank; the next start resumes from the newest checkpoint",
-                              running=sum(1 for c in codes if c is None))
+                              action="killing the other ranks (they would wait for it in a collective); its own "
+                              "log lines above say why", running=sum(1 for c in codes if c is None))
                 self.stop_survivors()
                 return exit_code(code)
             if all(code == 0 for code in codes):
