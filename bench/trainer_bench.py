@@ -302,6 +302,7 @@ def run_one(config: BenchConfig, workload: dict[str, Any], url: str, work: Path,
     from lorafleet_trainer.attention import choose_backend
     from lorafleet_trainer.config import build_configs
     from lorafleet_trainer.main import build_trainer, install_kernels, resolve_settings
+    from lorafleet_trainer.ranks import plan_ranks
     from lorafleet_trainer.run_state import MetricsJsonl
     from trl.experimental.async_grpo import async_rollout_worker
 
@@ -320,7 +321,7 @@ def run_one(config: BenchConfig, workload: dict[str, Any], url: str, work: Path,
     settings = resolve_settings(overrides)
     cuda = torch.cuda.is_available()
     backend = choose_backend(settings.trainer_attention, cuda=cuda).backend
-    configs = build_configs(settings, replicas=1, cuda=cuda)
+    configs = build_configs(settings, replicas=1, ranks=plan_ranks(settings, torch.cuda.device_count()))
     if config.model_dtype:
         configs.grpo.dtype = config.model_dtype
     install_kernels(settings, backend, cuda=cuda)

@@ -20,13 +20,15 @@ def _value(value: Any) -> str:
 
 
 class LogfmtFormatter(logging.Formatter):
-    def __init__(self, service: str) -> None:
+    """`fields` go on every line after the service (e.g. `rank=1` when several trainer ranks share one log)."""
+
+    def __init__(self, service: str, fields: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.service = service
+        self.prefix = [f"service={service}", *(f"{key}={_value(val)}" for key, val in (fields or {}).items())]
 
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
-        parts = [stamp, record.levelname, f"service={self.service}", f"logger={record.name}"]
+        parts = [stamp, record.levelname, *self.prefix, f"logger={record.name}"]
         parts.append(f"event={_value(record.getMessage())}")
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
@@ -37,10 +39,11 @@ class LogfmtFormatter(logging.Formatter):
         return line
 
 
-def configure(service: str, level: str = "INFO", *, loggers: tuple[str, ...] = ()) -> None:
-    """Send lorafleet's logs (and those of `loggers`, e.g. "trl") to stderr in logfmt."""
+def configure(service: str, level: str = "INFO", *, loggers: tuple[str, ...] = (),
+              fields: dict[str, Any] | None = None) -> None:
+    """Send lorafleet's logs (and those of `loggers`, e.g. "trl") to stderr in logfmt, `fields` on every line."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(LogfmtFormatter(service))
+    handler.setFormatter(LogfmtFormatter(service, fields))
     for name in ("lorafleet", f"lorafleet_{service}", *loggers):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]

@@ -216,6 +216,18 @@ class Settings(BaseSettings):
     trainer_metrics_port: int = Field(
         9400, ge=0, le=65535, description="Port of the trainer's Prometheus /metrics (TRL's logged values); 0 = off."
     )
+    trainer_gpus: str = Field(
+        "0", description="GPUs the trainer uses (host indices as in nvidia-smi, comma-separated): one rank per GPU; "
+        "must not overlap VLLM_GPUS.",
+    )
+    trainer_ranks: int = Field(
+        0, ge=0, description="Training processes (ranks); 0 = one per GPU in TRAINER_GPUS, or 1 on CPU. On CPU set "
+        "it for several ranks (gloo); on GPUs it must equal the TRAINER_GPUS count.",
+    )
+    trainer_sharding: Literal["auto", "fsdp2", "ddp"] = Field(
+        "auto", description="How several ranks hold the model: fsdp2 shards it (auto on GPUs), ddp replicates it "
+        "(auto on CPU, where accelerate cannot run FSDP).",
+    )
 
     @field_validator("run_name")
     @classmethod
@@ -237,7 +249,7 @@ class Settings(BaseSettings):
         round_lora_rank(value)
         return value
 
-    @field_validator("vllm_gpus")
+    @field_validator("vllm_gpus", "trainer_gpus")
     @classmethod
     def _gpu_pool_is_ids(cls, value: str) -> str:
         ids = _csv(value)
@@ -299,6 +311,10 @@ class Settings(BaseSettings):
         return _csv(self.vllm_gpus)
 
     @property
+    def trainer_gpu_list(self) -> list[str]:
+        return _csv(self.trainer_gpus)
+
+    @property
     def cpu_pool(self) -> list[str]:
         """VLLM_CPU_SETS as core sets; `auto`: each core this process may run on (its cgroup's cpuset)."""
         if self.cpu_sets_auto:
@@ -316,6 +332,11 @@ class Settings(BaseSettings):
     @property
     def metrics_path(self) -> Path:
         return metrics_path(self.adapter_root, self.run_name)
+
+
+def gpus_shared(settings: Settings) -> list[str]:
+    """GPUs listed in both TRAINER_GPUS and VLLM_GPUS (on one box, a replica would claim a trainer GPU)."""
+    return sorted(set(settings.trainer_gpu_list) & set(settings.gpu_pool), key=int)
 
 
 def env_name(field: str) -> str:

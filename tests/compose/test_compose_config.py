@@ -240,8 +240,15 @@ def test_gpu_replicas_claim_from_the_pool_and_trainer_uses_its_own_gpus(project:
     vllm = project["services"]["vllm"]
     assert vllm["environment"]["REPLICA_DEVICE"] == "gpu"
     assert project["services"]["vllm-cpu"]["environment"]["REPLICA_DEVICE"] == "cpu"
-    trainer_gpus = project["services"]["trainer"]["environment"]["CUDA_VISIBLE_DEVICES"].split(",")
+    trainer_env = project["services"]["trainer"]["environment"]
+    trainer_gpus = trainer_env["CUDA_VISIBLE_DEVICES"].split(",")
     assert trainer_gpus and all(g.isdigit() for g in trainer_gpus)
+    assert trainer_env["TRAINER_GPUS"] == trainer_env["CUDA_VISIBLE_DEVICES"]  # the rank count sees what CUDA shows
+
+
+def test_a_two_gpu_trainer_gets_both_gpus(render: RenderFn) -> None:
+    trainer_env = render(TRAINER_GPUS="0,1", VLLM_GPUS="2,3,4,5,6,7")["services"]["trainer"]["environment"]
+    assert trainer_env["CUDA_VISIBLE_DEVICES"] == trainer_env["TRAINER_GPUS"] == "0,1"
 
 
 def test_replicas_scale_from_replicas_setting(render: RenderFn) -> None:

@@ -44,9 +44,11 @@ def model_config(tiny_model: Path) -> dict:
 
 
 def _settings(tiny_model: Path, root: Path, proxy: Service, **overrides: object) -> Settings:
-    """The doctor's settings: those the replicas were started with (replica_env), the proxy as TRAINER_VLLM_URL."""
+    """The doctor's settings: those the replicas were started with (replica_env, CPU replicas), the proxy as
+    TRAINER_VLLM_URL."""
     values: dict[str, object] = {"base_model": str(tiny_model), "adapter_root": root, "run_name": RUN,
-                                 "lora_rank": 8, "max_staleness": 4, "trainer_vllm_url": proxy.url}
+                                 "lora_rank": 8, "max_staleness": 4, "trainer_vllm_url": proxy.url,
+                                 "replica_device": "cpu"}
     return load_settings(**{**values, **overrides})
 
 

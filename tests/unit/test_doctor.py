@@ -22,6 +22,7 @@ from lorafleet.commands.doctor.checks import (
     check_adapter_sync,
     check_broadcasts,
     check_fleet,
+    check_layout,
     check_lora_enabled,
     check_names,
     check_probe,
@@ -554,6 +555,26 @@ async def test_ratio_is_read_from_the_runs_metrics_file(fleet, settings):
     _one(check_ratio(await _snapshot(fleet, settings)), Status.FAIL, "1.2000", "outside [0.95, 1.05]")
 
 
+# --- 10. layout: the trainer's ranks and GPUs against the replicas' pool ---------------------------------------
+
+
+@pytest.mark.parametrize(("values", "status", "words"), [
+    ({"trainer_gpus": "0,1", "vllm_gpus": "2,3,4,5,6,7"}, Status.PASS,
+     ["TRAINER_GPUS=0,1 -> 2 rank(s) on GPUs", "6 GPU(s)", "disjoint"]),
+    ({"trainer_gpus": "0,1", "vllm_gpus": "1,2,3"}, Status.WARN, ["GPU 1 in both"]),
+    ({"trainer_gpus": "0", "vllm_gpus": "0"}, Status.WARN, ["GPU 0 in both"]),
+    ({"replica_device": "cpu", "trainer_ranks": 2, "vllm_cpu_sets": "0;1"}, Status.PASS,
+     ["TRAINER_RANKS=2 rank(s) on CPU", "2 core set(s)"]),
+    ({"replica_device": "cpu"}, Status.PASS, ["TRAINER_RANKS=1 rank(s) on CPU"]),
+    ({}, Status.SKIP, ["GPU layout at its defaults"]),
+])
+def test_layout_states_the_trainers_ranks_and_warns_on_a_shared_gpu(values, status, words):
+    result = check_layout(load_settings(base_model=MODEL, **values))
+    _one(result, status, *words)
+    if status is Status.WARN:
+        assert "TRAINER_GPUS=0,1 VLLM_GPUS=2,3,4,5,6,7" in result.fix
+
+
 # --- output ---------------------------------------------------------------------------------------------
 
 
@@ -562,7 +583,8 @@ async def test_table_and_json_carry_reason_and_fix(fleet, settings):
     snapshot = await _snapshot(fleet, settings)
     results = evaluate(snapshot, settings, ProbeReport(skipped="probe disabled (--no-probe)"))
     assert [r.name for r in results] == ["fleet", "lora_enabled", "lora_rank", "adapter_sync", "adapter_root",
-                                         "names_immutable", "lora_slots", "versions_kept", "broadcasts", "ratio"]
+                                         "names_immutable", "lora_slots", "versions_kept", "broadcasts", "ratio",
+                                         "layout"]
     assert [r.name for r in failed(results)] == ["adapter_sync", "lora_slots"]
     table = render_table(results)
     assert "lora_slots" in table and "FAIL" in table and "fix: restart those replicas" in table

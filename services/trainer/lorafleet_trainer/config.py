@@ -3,6 +3,9 @@
 Defaults are those of the best published run (DESIGN.md, Trainer): rank 1, alpha 2, all-linear,
 lr 4e-5, 8 generations, token_budget 16384, no gradient checkpointing, 128 rollouts in flight per
 replica, a queue of twice that, max_staleness 4, a sync every 4 steps, adam beta2 0.95.
+
+With several ranks TRL packs each micro-batch into one row per rank: TOKEN_BUDGET (or TRAIN_BATCH_SIZE)
+is per rank, so a step trains world_size times as much as one rank does (`summary` prints both).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from typing import Any
 
 from lorafleet.lora import build_lora_config
 from lorafleet.settings import Settings
+
+from lorafleet_trainer.ranks import RankPlan
 
 # The published recipe's optimizer setting (the train script of the reference deployment).
 ADAM_BETA2 = 0.95
@@ -25,6 +30,7 @@ class TrainerConfigs:
     grpo: Any  # trl.experimental.async_grpo.AsyncGRPOConfig (imported lazily: TRL takes seconds to import)
     lora: Any  # peft.LoraConfig
     replicas: int
+    ranks: RankPlan
 
     def summary(self) -> dict[str, Any]:
         """The effective values that matter at 3 a.m., as one flat JSON-able dict."""
@@ -47,7 +53,37 @@ class TrainerConfigs:
                 )
             },
             "report_to": grpo.report_to,
+            **self.ranks.summary(),
+            **micro_batching(grpo.token_budget, grpo.per_device_train_batch_size, self.ranks.world_size),
         }
+
+
+def micro_batching(token_budget: int, batch_size: int, world_size: int) -> dict[str, int | None]:
+    """What one micro-batch holds across all ranks: TRL gives each rank a row of the per-rank budget."""
+    if token_budget > 0:
+        return {"tokens_per_microbatch_per_rank": token_budget, "tokens_per_microbatch": token_budget * world_size,
+                "samples_per_microbatch": None}
+    return {"tokens_per_microbatch_per_rank": None, "tokens_per_microbatch": None,
+            "samples_per_microbatch": batch_size * world_size}
+
+
+def sharding_args(plan: RankPlan) -> dict[str, Any]:
+    """TrainingArguments for the plan's sharding (transformers hands them to accelerate's plugins).
+
+    FSDP2 with a sharded state dict: a full one gathers optimizer and model state onto rank 0 and, with PEFT,
+    keeps only rank 0's shard (accelerate#4206); a sharded checkpoint loads on any rank count (torch's DCP
+    reshards). Transformer blocks are the wrap units (the model's `_no_split_modules`).
+    """
+    if plan.sharding == "fsdp2":
+        return {"fsdp": True, "fsdp_config": {
+            "version": 2, "state_dict_type": "SHARDED_STATE_DICT", "reshard_after_forward": True,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "cpu_ram_efficient_loading": False,
+        }}
+    if plan.sharding == "ddp":
+        # Only the adapter's parameters take gradients, and every one of them is used in each forward.
+        # (The backend follows the device: accelerate picks NCCL on GPUs, gloo on CPU.)
+        return {"ddp_find_unused_parameters": False}
+    return {}
 
 
 def use_bf16(settings: Settings, cuda: bool) -> bool:
@@ -72,9 +108,11 @@ def inflight_tasks(settings: Settings, replicas: int) -> int:
     return settings.max_inflight_per_replica * max(replicas, 1)
 
 
-def build_configs(settings: Settings, *, replicas: int, cuda: bool) -> TrainerConfigs:
+def build_configs(settings: Settings, *, replicas: int, ranks: RankPlan) -> TrainerConfigs:
     """AsyncGRPOConfig + LoraConfig for `settings`, with output_dir = <ADAPTER_ROOT>/runs/<RUN_NAME>."""
     from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    cuda = ranks.device == "cuda"
 
     inflight = inflight_tasks(settings, replicas)
     report_to = [item.strip() for item in settings.trainer_report_to.split(",") if item.strip()] or ["none"]
@@ -94,6 +132,7 @@ def build_configs(settings: Settings, *, replicas: int, cuda: bool) -> TrainerCo
         gradient_checkpointing=settings.gradient_checkpointing,
         bf16=bf16,
         dtype=base_dtype(bf16),
+        use_cpu=not cuda,  # on CPU accelerate joins the ranks' process group (gloo) only with use_cpu
         max_inflight_tasks=inflight,
         queue_maxsize=settings.queue_maxsize or 2 * inflight,
         max_staleness=settings.max_staleness,
@@ -106,8 +145,9 @@ def build_configs(settings: Settings, *, replicas: int, cuda: bool) -> TrainerCo
         report_to=report_to,
         log_level="info" if settings.log_level == "DEBUG" else "warning",  # transformers' own chatter
         disable_tqdm=True,
+        **sharding_args(ranks),
     )
-    return TrainerConfigs(grpo=grpo, lora=build_lora_config(settings), replicas=replicas)
+    return TrainerConfigs(grpo=grpo, lora=build_lora_config(settings), replicas=replicas, ranks=ranks)
 
 
 def score_queue_groups(queue_maxsize: int, num_generations: int) -> int:

@@ -15,6 +15,7 @@ own stop event.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ from lorafleet.logs import log_event
 from lorafleet.settings import Settings
 from transformers import TrainerCallback
 
+from lorafleet_trainer.ranks import die_with_parent
 from lorafleet_trainer.run_state import prune_checkpoints
 
 log = logging.getLogger(__name__)
@@ -173,7 +175,14 @@ class RunLifecycle(TrainerCallback):
 
 
 class _ShieldedProcess(SpawnProcess):
-    """A spawned process that starts with SIGINT and SIGTERM blocked (the mask survives exec)."""
+    """A spawned process that starts with SIGINT and SIGTERM blocked (the mask survives exec) and dies with
+    its trainer (a rank killed by its launcher must not leave a rollout child generating against the fleet)."""
+
+    def run(self) -> None:
+        parent = multiprocessing.parent_process()
+        if parent is not None and parent.pid is not None:
+            die_with_parent(parent.pid)
+        super().run()
 
     def start(self) -> None:
         resource_tracker.ensure_running()  # starting it inside the block would unblock both signals again

@@ -6,6 +6,8 @@ fill only what nobody set. Order of work: settings -> fleet size -> configs (pri
 (refuse what cannot serve adapter-only sync, or too little free disk) -> sweep stale policy names ->
 train (resuming from the newest checkpoint) -> export <run>/final-adapter. A signal, RUN_MAX_STEPS,
 RUN_MAX_WALL_S or low disk ends training early with a checkpoint and exit 0 (lifecycle.py).
+With several ranks (TRAINER_GPUS, TRAINER_RANKS) this process launches them and each runs the above;
+rank 0 alone talks to the fleet (ranks.py).
 
 TRL spawns its rollout worker, which re-imports the main module: nothing may run at import time.
 """
@@ -24,6 +26,15 @@ from lorafleet.logs import configure, log_event
 from lorafleet.settings import ConfigError, Settings, env_name, load_settings
 from lorafleet.vllm_api import VLLMError
 
+from lorafleet_trainer.ranks import (
+    Launcher,
+    RankContext,
+    RankPlan,
+    die_with_parent,
+    pin_cpu_device,
+    plan_for,
+    select_gpus,
+)
 from lorafleet_trainer.recipes import RECIPES
 
 if TYPE_CHECKING:
@@ -40,7 +51,7 @@ FLAG_FIELDS = (
     "max_inflight_per_replica", "queue_maxsize", "max_staleness", "weight_sync_steps", "max_steps", "save_steps",
     "seed", "trainer_precision", "trainer_resume", "trainer_report_to", "trainer_attention", "trainer_cpu_threads",
     "trainer_server_timeout_s", "log_level", "checkpoint_keep", "run_max_steps", "run_max_wall_s",
-    "trainer_min_free_gb",
+    "trainer_min_free_gb", "trainer_gpus", "trainer_ranks", "trainer_sharding",
 )
 EXIT_CONFIG = 2
 EXIT_PREFLIGHT = 3
@@ -69,37 +80,39 @@ def resolve_settings(overrides: dict[str, Any]) -> Settings:
     return settings
 
 
-def train(settings: Settings, dry_run: bool = False) -> int:
-    """Build and run the trainer; returns the process exit code."""
-    import torch
-
+def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: bool = False) -> int:
+    """Build and run the trainer as rank `context.rank` of `plan`; returns the process exit code."""
     from lorafleet_trainer.attention import UnsupportedAttention, choose_backend
     from lorafleet_trainer.config import build_configs
     from lorafleet_trainer.exporter import exporter_callbacks
     from lorafleet_trainer.fleet import PreflightError, fleet_size, prepare_fleet
     from lorafleet_trainer.lifecycle import Limits, RunLifecycle, shield_rollout_worker
     from lorafleet_trainer.resilience import retry_control_calls
-    from lorafleet_trainer.run_state import MetricsJsonl, newest_checkpoint
+    from lorafleet_trainer.run_state import MetricsJsonl, check_resumable, newest_checkpoint
 
     lifecycle = RunLifecycle(Limits.from_settings(settings))  # RUN_MAX_WALL_S counts from here
     if not dry_run and (low_disk := lifecycle.low_disk()):
         log_event(log, "refused", logging.ERROR, reason=f"refusing to start: {low_disk}")
         return EXIT_PREFLIGHT
-    cuda = torch.cuda.is_available()
+    cuda = plan.device == "cuda"
+    main_rank = context.rank == 0  # the one process that talks to the fleet
     try:  # before anything touches the fleet: a forced kernel that cannot run here is a config error
         attention = choose_backend(settings.trainer_attention, cuda=cuda)
     except UnsupportedAttention as exc:
         raise ConfigError(str(exc)) from exc
-    log_event(log, "attention_backend", backend=attention.backend, reason=attention.reason)
+    if main_rank:
+        log_event(log, "attention_backend", backend=attention.backend, reason=attention.reason)
     try:
-        replicas = settings.trainer_replicas or (1 if dry_run else asyncio.run(fleet_size(settings)))
+        replicas = settings.trainer_replicas or (1 if dry_run or not main_rank else asyncio.run(fleet_size(settings)))
     except (PreflightError, VLLMError) as exc:
         log_event(log, "refused", logging.ERROR, reason=str(exc))
         return EXIT_PREFLIGHT
-    configs = build_configs(settings, replicas=replicas, cuda=cuda)
+    configs = build_configs(settings, replicas=replicas, ranks=plan)
     checkpoint = newest_checkpoint(settings.run_dir) if settings.trainer_resume else None
+    if checkpoint:
+        check_resumable(checkpoint, fsdp2=plan.sharding == "fsdp2")
     runtime = {
-        "device": "cuda" if cuda else "cpu",
+        "device": plan.device,
         "attention": attention.backend,
         "threads": None if cuda else settings.trainer_cpu_threads,
         "resume_from": checkpoint.path if checkpoint else None,
@@ -108,22 +121,23 @@ def train(settings: Settings, dry_run: bool = False) -> int:
         "run_max_wall_s": settings.run_max_wall_s,
         "min_free_gb": settings.trainer_min_free_gb,
     }
-    log_event(
-        log, "effective_config", recipe=settings.trainer_recipe, base_model=settings.base_model, **runtime,
-        **configs.summary(),
-    )
+    if main_rank:
+        log_event(
+            log, "effective_config", recipe=settings.trainer_recipe, base_model=settings.base_model, **runtime,
+            **configs.summary(),
+        )
     if dry_run:
         return 0
     lifecycle.install_signal_handlers()
     try:
-        if int(os.environ.get("RANK", "0")) == 0:  # under `accelerate launch`, one process talks to the fleet
+        if main_rank:
             asyncio.run(prepare_fleet(settings, configs.lora))
     except (PreflightError, VLLMError) as exc:
         log_event(log, "refused", logging.ERROR, reason=str(exc))
         return EXIT_PREFLIGHT
     install_kernels(settings, attention.backend, cuda=cuda)
     retry_control_calls()  # a proxy restart mid-sync must not kill the run
-    if checkpoint:
+    if checkpoint and main_rank:
         log_event(
             log, "resuming", checkpoint=checkpoint.path, step=checkpoint.step, model_version=checkpoint.model_version
         )
@@ -185,9 +199,10 @@ def run_until_stopped(trainer: Any, lifecycle: RunLifecycle, resume_from: Path |
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except StoppedWhileWaiting:
         checkpoint_now(trainer, lifecycle)
-    if not trainer.accelerator.is_main_process:
-        return 0
     state, reason = trainer.state, lifecycle.reason
+    if not trainer.accelerator.is_main_process:
+        log_event(log, "rank_finished", rank=trainer.accelerator.process_index, step=state.global_step, reason=reason)
+        return 0
     finished = reason is None or state.global_step >= state.max_steps
     final = None
     if finished or reason in CEILINGS:
@@ -213,18 +228,36 @@ def bound_score_queue(trainer: Any, groups: int) -> None:
         log_event(log, "score_queue_unbounded", logging.WARNING, reason="rollout worker has no _loop_kwargs")
 
 
+def cuda_devices() -> int:
+    """GPUs torch sees (after select_gpus): 0 means CPU mode."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     args = build_parser().parse_args(argv)
     overrides = {name: value for name in FLAG_FIELDS if (value := getattr(args, name)) is not None}
+    context = RankContext.from_environ(os.environ)
+    if context.launcher_pid is not None:
+        die_with_parent(context.launcher_pid)
     try:
         settings = resolve_settings(overrides)
     except ConfigError as exc:
         print(f"lorafleet-train: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    configure("trainer", settings.log_level, loggers=("trl",))
+    configure("trainer", settings.log_level, loggers=("trl",),
+              fields={"rank": context.rank} if context.launched else None)
+    if context.rank > 0:  # TRL logs the same lines on every rank: rank 0's are enough
+        logging.getLogger("trl").setLevel(max(logging.WARNING, logging.getLogger("trl").level))
     try:
-        return train(settings, dry_run=args.dry_run)
+        select_gpus(settings, os.environ)
+        plan = plan_for(settings, context, cuda_devices())
+        pin_cpu_device(plan, os.environ)
+        if plan.launched and not context.launched and not args.dry_run:
+            return Launcher(plan, sys.argv[1:] if argv is None else argv).run()
+        return train(settings, plan, context, dry_run=args.dry_run)
     except ConfigError as exc:
         log_event(log, "config_error", logging.ERROR, reason=str(exc))
         return EXIT_CONFIG

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.logs import log_event
+from lorafleet.settings import ConfigError
 from transformers import TrainerCallback
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 log = logging.getLogger(__name__)
 FINAL_ADAPTER = "final-adapter"
+FSDP_MODEL_DIR = "pytorch_model_fsdp"  # accelerate's FSDP_MODEL_NAME: the prefix of a sharded model state's folder
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,29 @@ class Checkpoint:
     path: Path
     step: int
     model_version: int | None  # TRL's rollout_state.json; None = numbering restarts at v1
+
+    @property
+    def sharded(self) -> bool:
+        """Written by FSDP2 ranks (a sharded state dict, torch DCP), not as a full adapter + optimizer.pt."""
+        return any(entry.is_dir() and entry.name.startswith(FSDP_MODEL_DIR) for entry in self.path.iterdir())
+
+
+def check_resumable(checkpoint: Checkpoint, fsdp2: bool) -> None:
+    """Refuse a checkpoint the planned ranks cannot load, naming the settings that can.
+
+    A full checkpoint (one rank, or DDP ranks: rank 0 saves the adapter and optimizer.pt) loads on any rank
+    count without FSDP; a sharded one (FSDP2) only under FSDP2, where torch's DCP reshards it to the rank count.
+    """
+    if checkpoint.sharded and not fsdp2:
+        raise ConfigError(
+            f"{checkpoint.path} was written by FSDP2 ranks (a sharded state dict): resume it with "
+            f"TRAINER_SHARDING=fsdp2 on two or more GPUs (TRAINER_GPUS), or start a new RUN_NAME"
+        )
+    if fsdp2 and not checkpoint.sharded:
+        raise ConfigError(
+            f"{checkpoint.path} holds a full adapter and optimizer (one rank or DDP), which FSDP2 ranks do not load: "
+            f"resume it with TRAINER_SHARDING=ddp (any rank count) or one GPU, or start a new RUN_NAME"
+        )
 
 
 def newest_checkpoint(run_dir: Path) -> Checkpoint | None:

@@ -268,7 +268,7 @@ def doctor_table(settings_env: dict[str, str], proxy_url: str) -> tuple[str, lis
 
     fields = {env_name(name): name for name in Settings.model_fields}
     settings = load_settings(**{fields[key]: value for key, value in settings_env.items()},
-                             trainer_vllm_url=proxy_url)
+                             trainer_vllm_url=proxy_url, replica_device="cpu")  # the demo's replicas run on CPU
     results = run_doctor_sync(settings, proxy_url, probe=True)  # the trainer has exited: nothing is training
     return render_table(results), [result.name for result in failed(results)]
 

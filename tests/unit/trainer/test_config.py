@@ -6,6 +6,7 @@ import pytest
 from lorafleet.settings import ConfigError, Settings
 from lorafleet_trainer.config import base_dtype, build_configs, score_queue_groups, use_bf16
 from lorafleet_trainer.main import FLAG_FIELDS, build_parser, main, resolve_settings
+from lorafleet_trainer.ranks import plan_ranks
 from lorafleet_trainer.recipes import RECIPES
 
 ALL_FIELDS = set(Settings.model_fields)
@@ -21,7 +22,8 @@ def clean_env(monkeypatch, tmp_path):
 
 
 def configs(replicas: int = 1, cuda: bool = False, **overrides: str):
-    return build_configs(resolve_settings(overrides), replicas=replicas, cuda=cuda)
+    settings = resolve_settings(overrides)
+    return build_configs(settings, replicas=replicas, ranks=plan_ranks(settings, 8 if cuda else 0))
 
 
 def test_defaults_are_the_best_published_run(tmp_path):

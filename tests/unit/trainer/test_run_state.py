@@ -6,7 +6,15 @@ import json
 import os
 from types import SimpleNamespace
 
-from lorafleet_trainer.run_state import MetricsJsonl, export_final_adapter, newest_checkpoint, prune_checkpoints
+import pytest
+from lorafleet.settings import ConfigError
+from lorafleet_trainer.run_state import (
+    MetricsJsonl,
+    check_resumable,
+    export_final_adapter,
+    newest_checkpoint,
+    prune_checkpoints,
+)
 
 
 def _checkpoint(run, step, version=None, complete=True):
@@ -96,3 +104,21 @@ def test_keep_zero_or_a_missing_folder_prunes_nothing(tmp_path):
         _checkpoint(tmp_path, step)
     assert prune_checkpoints(tmp_path, keep=0) == [] and len(list(tmp_path.iterdir())) == 3
     assert prune_checkpoints(tmp_path / "missing", keep=1) == []
+
+
+def test_a_checkpoint_resumes_only_under_the_sharding_that_can_load_it(tmp_path):
+    """Full (one rank, DDP) <-> any rank count without FSDP; FSDP2's sharded state dict <-> FSDP2 only."""
+    full = tmp_path / "checkpoint-3"
+    full.mkdir()
+    (full / "trainer_state.json").write_text("{}")
+    (full / "optimizer.pt").write_bytes(b"")
+    found = newest_checkpoint(tmp_path)
+    assert found is not None and not found.sharded
+    check_resumable(found, fsdp2=False)
+    with pytest.raises(ConfigError, match="TRAINER_SHARDING=ddp"):
+        check_resumable(found, fsdp2=True)
+    (full / "pytorch_model_fsdp_0").mkdir()
+    assert found.sharded
+    check_resumable(found, fsdp2=True)
+    with pytest.raises(ConfigError, match="TRAINER_SHARDING=fsdp2 on two or more GPUs"):
+        check_resumable(found, fsdp2=False)

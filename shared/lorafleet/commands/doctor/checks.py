@@ -17,7 +17,7 @@ from typing import Any
 from lorafleet.adapters import lora_dir, policy_name, policy_version
 from lorafleet.commands.doctor.model import CheckResult, ProbeReport, ReplicaView, Snapshot, Status
 from lorafleet.lora import adapter_rank, build_lora_config, trl_select_adapter_sync
-from lorafleet.settings import Settings, round_lora_rank
+from lorafleet.settings import Settings, gpus_shared, round_lora_rank
 from lorafleet.vllm_api import ServerInfo
 
 RATIO_WARN = 0.01  # |ratio - 1| above this: WARN
@@ -434,6 +434,28 @@ def check_ratio(snapshot: Snapshot) -> CheckResult:
 
 
 
+def check_layout(settings: Settings) -> CheckResult:
+    """10. The device layout the settings give: the trainer's ranks and GPUs, the replicas' pool, no GPU shared."""
+    name = "layout"
+    if settings.replica_device == "cpu":
+        return CheckResult(name, Status.PASS, f"trainer: TRAINER_RANKS={settings.trainer_ranks or 1} rank(s) on CPU; "
+                           f"replicas on CPU: {len(settings.cpu_pool)} core set(s) in VLLM_CPU_SETS")
+    if not {"trainer_gpus", "vllm_gpus"} & settings.model_fields_set:
+        return CheckResult(name, Status.SKIP, f"GPU layout at its defaults (TRAINER_GPUS={settings.trainer_gpus}, "
+                           f"VLLM_GPUS={settings.vllm_gpus}): nothing to judge",
+                           "for a one-box GPU stack set both, disjoint (.env.example)")
+    trainer = (f"trainer: TRAINER_GPUS={settings.trainer_gpus} -> {len(settings.trainer_gpu_list)} rank(s) on GPUs "
+               f"(TRAINER_SHARDING={settings.trainer_sharding})")
+    shared = gpus_shared(settings)
+    pool = f"replicas: VLLM_GPUS={settings.vllm_gpus} ({len(settings.gpu_pool)} GPU(s), one per replica)"
+    if shared:
+        return CheckResult(name, Status.WARN, f"{trainer}; {pool}: GPU {','.join(shared)} in both",
+                           "on one box a replica would claim a trainer GPU: make TRAINER_GPUS and VLLM_GPUS "
+                           "disjoint (8 GPUs: TRAINER_GPUS=0,1 VLLM_GPUS=2,3,4,5,6,7); fine only when the replicas "
+                           "run on another machine")
+    return CheckResult(name, Status.PASS, f"{trainer}; {pool}; disjoint")
+
+
 def evaluate(snapshot: Snapshot, settings: Settings, probe: ProbeReport, peft_config: Any = None) -> list[CheckResult]:
     """All checks, in the checklist's order, from what was observed."""
     exclude = frozenset({probe.name}) if probe.name else frozenset()
@@ -448,4 +470,5 @@ def evaluate(snapshot: Snapshot, settings: Settings, probe: ProbeReport, peft_co
         check_versions_kept(snapshot, settings),
         check_broadcasts(probe, snapshot),
         check_ratio(snapshot),
+        check_layout(settings),
     ]
