@@ -90,6 +90,10 @@ class Engine:
             return httpx.Response(200, json={"is_paused": self.paused is not None})
         if path == "/reset_prefix_cache":
             return httpx.Response(200, json={"success": True})
+        if path == "/v1/completions":  # the proxy's one-token warm-up before admitting a replica
+            model = json.loads(request.content)["model"]
+            return httpx.Response(200, json={"object": "text_completion", "model": model, "choices": [
+                {"index": 0, "text": "!", "finish_reason": "length"}]})
         return httpx.Response(404)
 
 
