@@ -392,11 +392,12 @@ def test_missing_requirements_name_what_is_missing_in_one_line(
 
 @pytest.mark.timeout(120)
 def test_stack_module_collects_and_skips_with_one_line_reason(tmp_path: Path) -> None:
-    """On this host (no engine, no GPUs) every stack test is collected and skipped with the same one-line reason."""
+    """On this host (no engine, no GPUs) every stack test is collected and skipped with the same one-line reason;
+    with CI=true the same reason fails the tier instead."""
     reason = missing_requirements("gpu", 2)
     if reason is None:
         pytest.skip("this host can run the stack test itself (make test-gpu)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAFLEET_STACK_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAFLEET_STACK_") and k != "CI"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "tests/gpu/test_stack.py", "-q", "-rs", "-p", "no:cacheprovider", "--basetemp",
          str(tmp_path / "t")],
@@ -406,3 +407,9 @@ def test_stack_module_collects_and_skips_with_one_line_reason(tmp_path: Path) ->
     skipped = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
     assert len(skipped) >= 7 and f"{len(skipped)} skipped" in done.stdout, done.stdout
     assert all(line.endswith(reason) for line in skipped), done.stdout
+    failing = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/gpu/test_stack.py", "-q", "-p", "no:cacheprovider", "--basetemp",
+         str(tmp_path / "ci"), "-k", "every_replica_is_ready"],
+        cwd=REPO, env={**env, "CI": "true"}, capture_output=True, text=True, timeout=110, check=False,
+    )
+    assert failing.returncode == 1 and reason in failing.stdout, failing.stdout + failing.stderr

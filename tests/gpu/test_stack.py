@@ -2,7 +2,7 @@
 
 `make test-stack CPU=1` (cpu profile; CI runs it on a private engine, tools/engine.sh) or `make test-gpu` (NVIDIA
 GPUs). Plain `pytest tests/gpu` skips with one line naming what is missing; `LORAFLEET_STACK_REQUIRED=1` (the make
-targets, and CI) turns that into a failure. One stack per module, in a fresh copy of the project with `.env` made
+targets) and `CI=true` turn that into a failure. One stack per module, in a fresh copy of the project with `.env` made
 from `.env.example` and the two keys (stack_plan, stack_driver), and the README's commands in order:
   1. `make up`: every replica `ready`, each having generated (the proxy's warm-up), each on its own device;
      gpu: the GPUs the replicas' processes hold (host nvidia-smi) are distinct and not the trainer's;
@@ -30,6 +30,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -62,7 +63,7 @@ PROFILE: Profile = "cpu" if os.environ.get("LORAFLEET_STACK_PROFILE") == "cpu" e
 REPLICAS = int(os.environ.get("LORAFLEET_STACK_REPLICAS", "2"))
 WAIT_S = int(os.environ.get("LORAFLEET_STACK_WAIT_S", "1800" if PROFILE == "gpu" else "900"))
 ARTIFACTS = REPO / "results" / "stack"
-ADAPTER_ROOT = str(Settings.model_fields["adapter_root"].default)  # the stack's ADAPTER_ROOT: the default
+ADAPTER_ROOT = Path(Settings.model_fields["adapter_root"].default)  # the stack's ADAPTER_ROOT: the default
 PROMPT = "<|im_start|>user\nWhat is 17 + 25? Answer with a number.<|im_end|>\n<|im_start|>assistant\n"
 # Same weights, same kernels, one request at a time: greedy decoding agrees exactly; the tolerance only absorbs
 # the last bits of bf16 reductions on GPUs of one model.
@@ -70,17 +71,14 @@ LOGPROB_ABS = 1e-5 if PROFILE == "cpu" else 1e-3
 
 T = TypeVar("T")
 
-# Run inside containers (replicas are not published; the trainer's network is the one to test from).
-REPLICA_GET = """
+# Run inside containers (replicas are not published; the trainer's network is the one to test from). A replica's
+# /v1 routes want vLLM's key, which its container has as PROXY_UPSTREAM_TOKEN.
+REPLICA_CALL = """
 import os, sys, urllib.request
-print(urllib.request.urlopen("http://127.0.0.1:%s%s" % (os.environ.get("REPLICA_PORT", "8000"), sys.argv[1]),
-                             timeout=30).read().decode())
-"""
-REPLICA_POST = """
-import os, sys, urllib.request
-url = "http://127.0.0.1:%s/v1/completions" % os.environ.get("REPLICA_PORT", "8000")
-request = urllib.request.Request(url, sys.argv[1].encode(), {"Content-Type": "application/json"})
-print(urllib.request.urlopen(request, timeout=300).read().decode())
+url = "http://127.0.0.1:%s%s" % (os.environ.get("REPLICA_PORT", "8000"), sys.argv[1])
+headers = {"Content-Type": "application/json", "Authorization": "Bearer " + os.environ["PROXY_UPSTREAM_TOKEN"]}
+body = sys.argv[2].encode() if len(sys.argv) > 2 else None
+print(urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=300).read().decode())
 """
 CONNECT = """
 import socket, sys
@@ -95,7 +93,8 @@ except OSError as exc:
 @pytest.fixture(scope="module")
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     reason = missing_requirements(PROFILE, REPLICAS)
-    if reason and os.environ.get("LORAFLEET_STACK_REQUIRED") == "1":  # make test-stack / test-gpu / CI asked for it
+    required = os.environ.get("LORAFLEET_STACK_REQUIRED") == "1" or os.environ.get("CI") == "true"
+    if reason and required:  # make test-stack / make test-gpu, and CI, where a skip would hide the tier
         pytest.fail(reason, pytrace=False)
     if reason:
         pytest.skip(reason)
@@ -196,7 +195,7 @@ def in_container(stack: Stack, container: str, script: str, *args: str) -> str:
 
 def served_by(stack: Stack, container: str) -> dict[str, str]:
     """The adapters a replica itself lists (name -> path), asked inside its container."""
-    cards = json.loads(in_container(stack, container, REPLICA_GET, "/v1/models"))["data"]
+    cards = json.loads(in_container(stack, container, REPLICA_CALL, "/v1/models"))["data"]
     return {card["id"]: card["root"] for card in cards if card.get("parent")}
 
 
@@ -239,7 +238,7 @@ class Traffic:
 
     def __init__(self, stack: Stack, limit_s: float = 900) -> None:
         self.plan = stack.plan
-        self.body = {"model": base_model(stack), "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0}
+        self.model = base_model(stack)
         self.limit_s = limit_s
         self.sent = 0
         self.failures: list[str] = []
@@ -258,8 +257,9 @@ class Traffic:
         deadline = time.monotonic() + self.limit_s
         with httpx.Client(headers={"Authorization": f"Bearer {self.plan.api_key}"}, timeout=300) as client:
             while not self._stop.is_set() and time.monotonic() < deadline:
-                try:
-                    response = client.post(self.plan.public_url + "/v1/completions", json=self.body)
+                body = {"model": self.model, "prompt": f"{self.sent} {PROMPT}", "max_tokens": 4, "temperature": 0.0}
+                try:  # a different prompt each time: spread over the replicas, as evaluation traffic is
+                    response = client.post(self.plan.public_url + "/v1/completions", json=body)
                     if response.status_code != 200:
                         self.failures.append(f"{response.status_code} {response.text[:300]}")
                 except httpx.HTTPError as exc:
@@ -308,7 +308,8 @@ def test_the_boundary_holds_on_real_networks(stack: Stack) -> None:
     # The fleet port listens on the internal fleet network alone: not on the proxy's other addresses.
     fleet_port = int(Settings.model_fields["proxy_port"].default)
     public_ip = stack.container_ip(proxy["ID"], "public")
-    with pytest.raises(OSError):
+    socket.create_connection((public_ip, plan.public_port), timeout=5).close()  # that address is reachable...
+    with pytest.raises(ConnectionRefusedError):  # ...and nothing listens there on the fleet port
         socket.create_connection((public_ip, fleet_port), timeout=5).close()
     # From the trainer's container: the proxy's fleet port answers, a replica does not.
     (trainer_row,) = stack.containers(plan.trainer_service)
@@ -351,7 +352,8 @@ def test_every_replica_gives_identical_greedy_tokens_and_logprobs(stack: Stack) 
     adapter = list(ledger(fleet(stack)))[-1]
     body = json.dumps({"model": adapter, "prompt": PROMPT, "max_tokens": 24, "temperature": 0.0, "logprobs": 1,
                        "return_token_ids": True, "ignore_eos": True, "seed": 0})
-    choices = {row["Name"]: json.loads(in_container(stack, row["ID"], REPLICA_POST, body))["choices"][0]
+    choices = {row["Name"]: json.loads(in_container(stack, row["ID"], REPLICA_CALL, "/v1/completions", body))[
+        "choices"][0]
                for row in stack.containers(stack.plan.replica_service)}
     (first, reference), *others = choices.items()
     assert len(reference["token_ids"]) == 24

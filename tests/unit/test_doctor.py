@@ -93,6 +93,8 @@ class FakeFleet:
         self.elided = False  # a keep pause was elided and its resume has not come yet
         self.keyed: set[str] = set()  # replicas that answer 401 without vLLM's key (the doctor has none)
         self.read: dict[str, bool] = dict.fromkeys(replicas, True)  # whether /fleet carries the replica's server_info
+        self.errors: dict[str, str] = {}  # the proxy's last_error per replica
+        self.generates: dict[str, bool | None] = dict.fromkeys(replicas, True)  # the proxy's warm-up verdict
         self.serves = list(replicas)  # replicas the proxy routes generations to (among the adapter's holders)
         self.routed = 0
 
@@ -123,7 +125,8 @@ class FakeFleet:
             if path == "/fleet":
                 return httpx.Response(200, json={
                     "replicas": [{"url": url, "state": self.states[url], "routed": 3, "inflight": self.inflight,
-                                  "adapters": dict(self.adapters[url]), "last_error": None,
+                                  "adapters": dict(self.adapters[url]), "last_error": self.errors.get(url),
+                                  "generates": self.generates[url],
                                   "server_info": self.info[url] if self.read[url] else None} for url in self.info],
                     "ledger": [{"name": n, "path": p} for n, p in self.ledger],
                     "router": {"mode": "affinity", "block_size": 128}, "min_ready": 1,
@@ -384,6 +387,16 @@ async def test_unreachable_replica_fails_check_one_and_downgrades_the_others(fle
 async def test_replica_not_ready_in_the_proxy_warns(fleet, settings):
     fleet.states[R2] = "ejected"
     _one(check_fleet(await _snapshot(fleet, settings)), Status.WARN, f"{R2} is ejected")
+
+
+async def test_a_replica_that_cannot_generate_fails_naming_it(fleet, settings):
+    """/health 200 but the proxy's one-token warm-up failed: held out of traffic, a FAIL with the replica's error."""
+    fleet.states[R2] = "syncing"
+    fleet.generates[R2] = False
+    fleet.errors[R2] = "sync: 500 InternalServerError: cannot generate: EngineCore encountered an issue."
+    _one(check_fleet(await _snapshot(fleet, settings)), Status.FAIL, "cannot generate", R2, "EngineCore")
+    fleet.generates[R2] = None  # not tried yet (still loading): only a WARN
+    _one(check_fleet(await _snapshot(fleet, settings)), Status.WARN, f"{R2} is syncing")
 
 
 async def test_unreachable_replica_the_proxy_holds_back_is_not_a_failure(fleet, settings):

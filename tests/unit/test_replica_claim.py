@@ -16,7 +16,8 @@ import os, sys
 from pathlib import Path
 from lorafleet_replica.claim import NoFreeDevice, claim_device
 try:
-    claim = claim_device(sys.argv[2].split(","), Path(sys.argv[1]), kind="gpu", pool_variable="VLLM_GPUS")
+    claim = claim_device(sys.argv[2].split(","), Path(sys.argv[1]), kind="gpu", pool_variable="VLLM_GPUS",
+                         shares=int(sys.argv[3]))
 except NoFreeDevice as exc:
     print("BUSY", exc, flush=True)
     sys.exit(3)
@@ -27,8 +28,9 @@ os.execv("/bin/sleep", ["sleep", "120"])
 POOL = "2,3,4,5"
 
 
-def _claimant(lock_dir: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", CLAIMANT, str(lock_dir), POOL], stdout=subprocess.PIPE, text=True)
+def _claimant(lock_dir: Path, pool: str = POOL, shares: int = 1) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", CLAIMANT, str(lock_dir), pool, str(shares)],
+                            stdout=subprocess.PIPE, text=True)
 
 
 LINE_TIMEOUT_S = 30.0  # a claimant answers in well under a second; a hung one must fail the test, not stall it
@@ -80,3 +82,29 @@ def test_six_claimants_for_four_devices(tmp_path: Path, processes):
             break
         time.sleep(0.2)
     assert line == "CLAIMED 4"
+
+
+def test_a_shared_pool_fills_every_device_before_sharing_one(tmp_path: Path, processes):
+    """VLLM_CPU_SETS=auto: two cores, up to two replicas each; the third and fourth share, the fifth is refused,
+    and a dead sharer frees its share only."""
+    processes.extend(_claimant(tmp_path, "0,1", shares=2) for _ in range(2))
+    first = sorted(_first_line(process) for process in processes)
+    assert first == ["CLAIMED 0", "CLAIMED 1"], "each core gets a replica before any is shared"
+    processes.extend(_claimant(tmp_path, "0,1", shares=2) for _ in range(2))
+    sharers = [_first_line(process) for process in processes[2:]]
+    assert sorted(sharers) == ["CLAIMED 0", "CLAIMED 1"]
+    refused = _claimant(tmp_path, "0,1", shares=2)
+    processes.append(refused)
+    line = _first_line(refused)
+    assert line.startswith("BUSY") and "each shared by up to 2 replicas" in line and "4 running replica(s)" in line
+    processes[3].kill()
+    processes[3].wait()
+    deadline = time.monotonic() + 10
+    while True:
+        retry = _claimant(tmp_path, "0,1", shares=2)
+        processes.append(retry)
+        line = _first_line(retry)
+        if line.startswith("CLAIMED") or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert line == sharers[1], f"the dead sharer held {sharers[1]}; the retry got {line}"

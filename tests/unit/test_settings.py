@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 import pytest
@@ -118,6 +120,13 @@ def test_values_are_parsed_and_normalized(monkeypatch: pytest.MonkeyPatch) -> No
     assert settings.upstream_urls == ["http://a:8000", "https://b:9000"]
     assert settings.run_dir == Path("/data/store/runs/exp-1.b_2")
     assert settings.gradient_checkpointing is True
+
+
+def test_cpu_sets_auto_are_the_cores_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = from_env(monkeypatch)
+    assert settings.vllm_cpu_sets == "auto" and settings.cpu_sets_auto
+    assert settings.cpu_pool == [str(core) for core in sorted(os.sched_getaffinity(0))]
+    assert not from_env(monkeypatch, VLLM_CPU_SETS="0;1").cpu_sets_auto
 
 
 def test_env_file_is_read_and_the_environment_wins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
