@@ -223,23 +223,30 @@ class Runs:
         return error(409, message, "SlotBudgetExceeded")
 
     def admit(self, state: LedgerState, run: str, record: RunRecord | None = None) -> JSONResponse | None:
-        """Register `run` in `state` (to be committed) if its reservation fits; the 409 when it does not.
+        """Admit `run` if its reservation fits beside the others' (registering `record` in `state`, to be committed);
+        the 409 when it does not.
 
-        `record` None: keep a registration that exists, else register with the proxy's MAX_STALENESS.
-        The default run only counts once it holds adapters or registered (a lone single-run fleet is as before).
+        `record` None (a load or pause): a run that holds slots already stays; any other named run is registered
+        with the proxy's MAX_STALENESS; the default run is admitted without a registration (it reserves slots by
+        holding adapters) and, alone with no named run, without a check: the single-run fleet as before.
         """
-        current = state.runs.get(run)
+        reserved = self.reservations(state)
         if record is None:
-            if current is not None or run == DEFAULT_RUN:
+            if run in reserved or run in state.runs:
                 return None
-            record = RunRecord(self.settings.max_staleness)
-        elif current is not None:
-            record = RunRecord(record.max_staleness, record.weight, current.paused)
+            if run == DEFAULT_RUN and not reserved:
+                return None
+            slots = self.settings.run_slots
+        else:
+            current = state.runs.get(run)
+            record = RunRecord(record.max_staleness, record.weight, current.paused if current else None)
+            slots = record.slots
         capacity = self.capacity()
-        others = sum(slots for other, slots in self.reservations(state).items() if other != run)
-        if capacity is not None and others + record.slots > capacity:
-            return self._refusal(run, record.slots, state, "does not fit the fleet's slot budget")
-        state.runs[run] = record
+        others = sum(held for other, held in reserved.items() if other != run)
+        if capacity is not None and others + slots > capacity:
+            return self._refusal(run, slots, state, "does not fit the fleet's slot budget")
+        if record is not None or run != DEFAULT_RUN:
+            state.runs[run] = record or RunRecord(self.settings.max_staleness)
         return None
 
     def check_load(self, state: LedgerState, run: str, qualified: str) -> JSONResponse | None:
