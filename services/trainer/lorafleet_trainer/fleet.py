@@ -14,6 +14,7 @@ from typing import Any
 
 from lorafleet.adapters import policy_version
 from lorafleet.logs import log_event
+from lorafleet.runs import DEFAULT_RUN, url_run
 from lorafleet.settings import Settings
 from lorafleet.vllm_api import VLLMClient, VLLMError
 
@@ -85,6 +86,24 @@ async def probe_fleet(settings: Settings, client: VLLMClient) -> int:
     return replicas
 
 
+async def register_run(settings: Settings, client: VLLMClient) -> None:
+    """On a shared fleet (TRAINER_VLLM_URL ends in /runs/<run>), reserve this run's LoRA slots before TRL starts.
+
+    The proxy answers 409 naming its slot budget when MAX_STALENESS + 2 slots do not fit beside the other
+    runs'; the trainer refuses to start with that message rather than failing inside TRL's first sync.
+    """
+    run = url_run(settings.trainer_vllm_url)
+    if run == DEFAULT_RUN:
+        return
+    try:
+        answer = (await client.request("POST", "/register", json_body={"max_staleness": settings.max_staleness,
+                                                                  "weight": settings.run_weight})).json()
+    except VLLMError as exc:
+        raise PreflightError(f"refusing to start: the fleet did not admit run {run!r}: {exc.message}") from None
+    log_event(log, "run_registered", run=run, slots=answer.get("slots"), weight=settings.run_weight,
+              budget=answer.get("budget", {}).get("capacity"))
+
+
 async def preflight(settings: Settings, lora_config: Any, client: VLLMClient) -> None:
     """Refuse a fleet TRL would not sync adapters to, before anything changes it (the doctor runs after the sweep)."""
     await wait_healthy(client, settings.trainer_server_timeout_s)
@@ -144,8 +163,11 @@ async def fleet_size(settings: Settings) -> int:
 
 
 async def prepare_fleet(settings: Settings, lora_config: Any) -> None:
-    """preflight, sweep_policies, then the doctor's whole checklist, against TRAINER_VLLM_URL."""
+    """register_run (shared fleets), preflight, sweep_policies, then the doctor's whole checklist, against
+    TRAINER_VLLM_URL."""
     async with VLLMClient(settings.trainer_vllm_url) as client:
+        await wait_healthy(client, settings.trainer_server_timeout_s)
+        await register_run(settings, client)
         await preflight(settings, lora_config, client)
         await sweep_policies(client)
     await doctor_preflight(settings, lora_config)
