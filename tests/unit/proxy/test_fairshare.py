@@ -55,7 +55,7 @@ def test_every_backlogged_run_gets_its_weighted_share(weights: list[float], toke
     demands = {f"r{i}": (weight, slots + 10, tokens[i]) for i, weight in enumerate(weights)}  # backlogged throughout
     served = asyncio.run(serve(FairShare(lambda: 3), demands, slots))
     total = sum(served.values())
-    for run, (weight, _, each) in demands.items():
+    for run, (weight, _, _) in demands.items():
         expected = weight / sum(w for w, _, _ in demands.values())
         # within a few requests' worth of tokens of the exact share (counters move in whole requests)
         assert abs(served[run] / total - expected) <= 3 * max(tokens) / total + 0.02, (run, served)
