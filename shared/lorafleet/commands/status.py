@@ -85,7 +85,8 @@ def render_runs(fleet: dict[str, Any]) -> list[str]:
         lease = row.get("lease_left_s")
         lines.append(
             f"{row.get('run', '?'):<16} {row.get('slots', 0):>5} {row.get('weight', 1.0):>6g} "
-            f"{row.get('inflight', 0):>8} {row.get('generated_tokens', 0):>10} {_pct(round(1000 * row.get('share', 0)), 1000):>6}  "
+            f"{row.get('inflight', 0):>8} {row.get('generated_tokens', 0):>10} "
+            f"{_pct(round(1000 * row.get('share', 0)), 1000):>6}  "
             f"{row.get('paused') or '-':<6} {'-' if lease is None else f'{lease:.0f}s':>6}  "
             f"{adapter_span(row.get('adapters', []))}")
     return lines
