@@ -44,6 +44,14 @@ def run_of(qualified: str) -> tuple[str, str]:
     return run, name
 
 
+def fleet_url(url: str) -> str:
+    """The proxy's own base URL behind a run's URL (`http://proxy:8000/runs/b` -> `http://proxy:8000`)."""
+    base = url.rstrip("/")
+    if url_run(base) == DEFAULT_RUN:
+        return base
+    return base[: base.rindex(RUN_URL_PREFIX)]
+
+
 def url_run(url: str) -> str:
     """The run a base URL speaks for: `<run>` of `http://proxy:8000/runs/<run>`, else the default run."""
     path = urlsplit(url).path.rstrip("/")

@@ -14,7 +14,7 @@ from typing import Any
 
 from lorafleet.adapters import policy_version
 from lorafleet.logs import log_event
-from lorafleet.runs import DEFAULT_RUN, url_run
+from lorafleet.runs import DEFAULT_RUN, fleet_url, url_run
 from lorafleet.settings import Settings
 from lorafleet.vllm_api import VLLMClient, VLLMError
 
@@ -141,11 +141,15 @@ async def doctor_preflight(settings: Settings, lora_config: Any) -> None:
     """Run the doctor's checklist against the fleet and refuse to train on any FAIL.
 
     The one exception is `ratio`: it judges the run's past (metrics.jsonl), so a FAIL there is
-    logged loudly but does not block resuming once the fleet itself passes.
+    logged loudly but does not block resuming once the fleet itself passes. A run on a shared fleet checks
+    the fleet itself (the proxy's own URL), and probes it only while no other run trains: the probe
+    pauses every replica, which would stall the other runs.
     """
     from lorafleet.commands.doctor import Status, failed, render_table, run_doctor
 
-    results = await run_doctor(settings, settings.trainer_vllm_url, peft_config=lora_config)
+    url = settings.trainer_vllm_url
+    shared = url_run(url) != DEFAULT_RUN
+    results = await run_doctor(settings, fleet_url(url), probe=None if shared else True, peft_config=lora_config)
     blocking = [result for result in failed(results) if result.name != "ratio"]
     for result in results:
         if result.status is not Status.PASS:
