@@ -227,3 +227,30 @@ async def test_runs_are_listed_per_run_with_tokens_and_shares(fleet: Fleet) -> N
 async def test_a_malformed_run_name_is_refused(fleet: Fleet) -> None:
     response = await fleet.http.get(fleet.url("default", "/runs/a--b/v1/models"))
     assert response.status_code == 404 and "invalid run name" in response.text
+
+
+async def test_trls_own_client_works_under_a_run_prefix(fleet: Fleet) -> None:
+    """TRL 1.16's VLLMClient, unmodified, pointed at /runs/a: every call it makes in LoRA mode (health, models,
+    server info, pause, load, resume, unload) is served for run a, in run a's namespace."""
+    from accelerate import PartialState
+    from trl.experimental.async_grpo.vllm_client import VLLMClient as TRLClient
+
+    PartialState(cpu=True)  # TRL's logging needs accelerate's state, as inside a trainer
+    client = TRLClient(fleet.url("a", ""), server_timeout=10)
+    path = fleet.publish("a", "trl-policy-v1", "a/v1")
+
+    def sync() -> dict[str, Any]:
+        client.wait_for_server_ready(poll_interval_s=0.1)
+        assert client.get_max_model_len() == 512
+        info = client.get_server_info()
+        client.pause()
+        client.load_lora_adapter("trl-policy-v1", path)
+        client.resume()
+        return info
+
+    info = await asyncio.to_thread(sync)
+    assert info["lora_config"]["max_loras"] == 6  # before its first load run a could get every free slot
+    assert all(set(fake.adapters) == {"a--trl-policy-v1"} for fake in fleet.fakes)
+    assert all(fake.paused is None for fake in fleet.fakes)
+    await asyncio.to_thread(client.unload_lora_adapter, "trl-policy-v1")
+    assert all(fake.adapters == {} for fake in fleet.fakes)
