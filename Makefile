@@ -77,6 +77,9 @@ bench: setup ## Routing/proxy benchmark against fake replicas; writes results/be
 	$(BIN)/python bench/proxy_bench.py --out results/bench-proxy.json
 	$(BIN)/python bench/hotpath_bench.py --out results/bench-proxy.json
 
+bench-runs: setup ## Several runs sharing the fleet (fair share, queue wait) vs one alone; writes results/bench-runs.json
+	$(BIN)/python bench/runs_bench.py --out results/bench-runs.json
+
 bench-attention: ## GPU: training attention kernels (pure PyTorch vs torch's built-in varlen) -> results/bench-attention.json
 	PYTHONPATH=services/trainer $(if $(wildcard $(BIN)/python),$(BIN)/python,python3) bench/attention_bench.py --out results/bench-attention.json
 soak: setup ## Churn soak of the proxy (replicas killed, adapters published) against fake replicas; writes results/soak.json

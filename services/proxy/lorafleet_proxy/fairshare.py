@@ -5,8 +5,8 @@ times the tokens. While several runs share the fleet, the proxy lets at most a w
 through (PROXY_FAIR_INFLIGHT_PER_REPLICA per ready replica) and queues the rest per run. Each run has a
 counter of the tokens it was served divided by its weight; when a slot frees, the backlogged run with the
 lowest counter goes next (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24). A request
-is charged its estimate at dispatch (prompt tokens + max_tokens) and corrected to the tokens it really
-used when it completes, so short answers are not over-charged. A run that becomes backlogged is lifted
+is charged its estimate at dispatch (prompt tokens + max_tokens) and corrected to its prompt plus the tokens it
+really generated when it completes, so short answers are not over-charged. A run that becomes backlogged is lifted
 to the lowest counter of the runs with work, so idle time is not banked into a burst that starves others.
 Nothing is refused: requests wait. A lone run never waits behind anyone, and with a single run (no
 named run registered) the front does not enter the scheduler at all.
@@ -30,7 +30,7 @@ class Queue:
     weight: float = 1.0
     counter: float = 0.0
     inflight: int = 0
-    waiting: deque[asyncio.Future[None]] = field(default_factory=deque)
+    waiting: deque[tuple[asyncio.Future[None], int]] = field(default_factory=deque)  # (turn, its estimate)
 
 
 class FairShare:
@@ -62,19 +62,19 @@ class FairShare:
         started = time.monotonic()
         if self.inflight >= self.window() or any(q.waiting for q in self.queues.values()):
             future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            queue.waiting.append(future)
+            turn = (future, estimate)
+            queue.waiting.append(turn)
             self._dispatch()
             try:
                 await future
             except asyncio.CancelledError:
                 if future.done() and not future.cancelled():
-                    self._release(queue)  # admitted just as the client left: give the slot back
-                elif future in queue.waiting:
-                    queue.waiting.remove(future)
+                    self._release(queue, estimate)  # admitted just as the client left: give the slot back
+                elif turn in queue.waiting:
+                    queue.waiting.remove(turn)
                 raise
         else:
-            self._admit(queue)
-        queue.counter += estimate / queue.weight
+            self._admit(queue, estimate)
         return time.monotonic() - started
 
     def leave(self, run: str, estimate: int, used: int | None) -> None:
@@ -82,13 +82,18 @@ class FairShare:
         queue = self.queues[run]
         if used is not None:
             queue.counter += (used - estimate) / queue.weight
-        self._release(queue)
+        queue.inflight -= 1
+        self.inflight -= 1
+        self._dispatch()
 
-    def _admit(self, queue: Queue) -> None:
+    def _admit(self, queue: Queue, estimate: int) -> None:
+        """Charged at admission, so the next choice (even in the same dispatch round) sees this one."""
         queue.inflight += 1
         self.inflight += 1
+        queue.counter += estimate / queue.weight
 
-    def _release(self, queue: Queue) -> None:
+    def _release(self, queue: Queue, estimate: int) -> None:
+        queue.counter -= estimate / queue.weight
         queue.inflight -= 1
         self.inflight -= 1
         self._dispatch()
@@ -99,10 +104,10 @@ class FairShare:
             if not backlogged:
                 return
             queue = min(backlogged, key=lambda q: q.counter)
-            future = queue.waiting.popleft()
+            future, estimate = queue.waiting.popleft()
             if future.done():  # its client left while it waited
                 continue
-            self._admit(queue)
+            self._admit(queue, estimate)
             future.set_result(None)
 
     def waiting(self, run: str) -> int:
@@ -120,9 +125,9 @@ def prompt_tokens(body: dict[str, object]) -> int:
     return len(str(prompt)) // 4 if prompt else 0
 
 
-def estimate_tokens(body: dict[str, object]) -> int:
-    """What a request may cost before it ran: its prompt plus the tokens it may generate."""
+def estimate_tokens(body: dict[str, object], prompt: int) -> int:
+    """What a request may cost before it ran: its `prompt` tokens plus the tokens it may generate."""
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or DEFAULT_MAX_TOKENS
     count = body.get("n") or 1
     generated = max_tokens if isinstance(max_tokens, int) else DEFAULT_MAX_TOKENS
-    return prompt_tokens(body) + generated * (count if isinstance(count, int) and count > 0 else 1)
+    return prompt + generated * (count if isinstance(count, int) and count > 0 else 1)

@@ -52,7 +52,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .broadcast import error, no_ready_replica
 from .elision import on_public_port
-from .fairshare import FairShare, estimate_tokens
+from .fairshare import FairShare, estimate_tokens, prompt_tokens
 from .fleet import Failure, Fleet
 from .metrics import Metrics
 from .replica import KEEPALIVE_EXPIRY_S, Replica
@@ -276,11 +276,11 @@ class Front:
         live = self.runs.get(run)
         if not live.running.is_set():
             await live.running.wait()  # the run's pause holds its requests here, never on the replicas
-        estimate = estimate_tokens(body)
+        prompt = prompt_tokens(body)
+        estimate = estimate_tokens(body, prompt)
         live.inflight += 1
         live.requests += 1
         answers: list[bytes] = []
-        used: int | None = None
         try:
             waited = await self.fair.enter(run, self.runs.weight(run), estimate)
             self.metrics.run_queue_wait.labels(run).observe(waited)
@@ -288,8 +288,8 @@ class Front:
                 await self.relay(scope, raw, receive, send, adapter, prompts, stream, body.get("model") or "",
                                  rename, answers)
             finally:
-                used = self.runs.count_tokens(live, answers[0] if answers else b"")
-                self.fair.leave(run, estimate, used)
+                generated = self.runs.count_tokens(live, answers[0] if answers else b"")
+                self.fair.leave(run, estimate, None if generated is None else prompt + generated)
         finally:
             live.inflight -= 1
 

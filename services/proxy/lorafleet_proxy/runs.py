@@ -164,7 +164,7 @@ class Runs:
         return self._weights.get(run, 1.0)
 
     def count_tokens(self, live: LiveRun, answer: bytes) -> int | None:
-        """Add a non-streamed answer's `usage` to the run's counts; the tokens it used (None: unknown, a stream)."""
+        """Add a non-streamed answer's `usage` to the run's counts; the tokens it generated (None: unknown, a stream)."""
         usage = None
         with contextlib.suppress(ValueError, AttributeError):
             usage = orjson.loads(answer).get("usage") if answer else None
@@ -177,7 +177,7 @@ class Runs:
         live.generated_tokens += generated
         self.metrics.run_tokens.labels(live.name, "prompt").inc(prompt)
         self.metrics.run_tokens.labels(live.name, "generated").inc(generated)
-        return prompt + generated
+        return generated
 
     # --- the budget ------------------------------------------------------------------------------
     def capacity(self) -> int | None:

@@ -87,5 +87,5 @@ async def test_a_client_that_leaves_while_queued_gives_its_place_back() -> None:
 def test_estimates_count_prompt_tokens_and_the_tokens_a_request_may_generate() -> None:
     assert prompt_tokens({"prompt": list(range(40))}) == 40
     assert prompt_tokens({"prompt": [[1, 2], [3]]}) == 3
-    assert estimate_tokens({"prompt": list(range(40)), "max_tokens": 8, "n": 2}) == 56
-    assert estimate_tokens({"prompt": "x" * 40}) == 10 + 16
+    assert estimate_tokens({"prompt": list(range(40)), "max_tokens": 8, "n": 2}, 40) == 56
+    assert estimate_tokens({"prompt": "x" * 40}, prompt_tokens({"prompt": "x" * 40})) == 10 + 16
