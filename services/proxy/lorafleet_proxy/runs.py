@@ -164,7 +164,7 @@ class Runs:
         return self._weights.get(run, 1.0)
 
     def count_tokens(self, live: LiveRun, answer: bytes) -> int | None:
-        """Add a non-streamed answer's `usage` to the run's counts; the tokens it generated (None: unknown, a stream)."""
+        """Add a non-streamed answer's `usage` to the run's counts; the tokens it generated (None: unknown)."""
         usage = None
         with contextlib.suppress(ValueError, AttributeError):
             usage = orjson.loads(answer).get("usage") if answer else None
