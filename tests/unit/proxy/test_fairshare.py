@@ -89,3 +89,25 @@ def test_estimates_count_prompt_tokens_and_the_tokens_a_request_may_generate() -
     assert prompt_tokens({"prompt": [[1, 2], [3]]}) == 3
     assert estimate_tokens({"prompt": list(range(40)), "max_tokens": 8, "n": 2}, 40) == 56
     assert estimate_tokens({"prompt": "x" * 40}, prompt_tokens({"prompt": "x" * 40})) == 10 + 16
+
+
+async def test_closed_loop_clients_get_their_weighted_share_while_requests_are_in_flight() -> None:
+    """Sixteen clients per run, each waiting for its answer before the next request (as rollout workers do), eight
+    requests in flight on the fleet: served requests follow the weights 1:1:2:4 within 10%."""
+    fair = FairShare(lambda: 8)
+    weights = {"a": 1.0, "b": 1.0, "c": 2.0, "d": 4.0}
+    done = dict.fromkeys(weights, 0)
+    loop = asyncio.get_running_loop()
+    stop = loop.time() + 1.5
+
+    async def client(run: str) -> None:
+        while loop.time() < stop:
+            await fair.enter(run, weights[run], 67)
+            await asyncio.sleep(0.005)  # the replica's work
+            fair.leave(run, 67, 64 + 3)
+            done[run] += 1
+
+    await asyncio.gather(*(client(run) for run in weights for _ in range(16)))
+    total = sum(done.values())
+    for run, weight in weights.items():
+        assert done[run] / total == pytest.approx(weight / sum(weights.values()), rel=0.10), done
