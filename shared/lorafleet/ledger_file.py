@@ -1,6 +1,16 @@
 """The proxy's adapter ledger on disk: one reader and one writer, shared by the proxy and the doctor.
 
-`<ADAPTER_ROOT>/.fleet/proxy-ledger.json`, version 2:
+`<ADAPTER_ROOT>/.fleet/proxy-ledger.json`, version 3 (several runs share the fleet):
+
+    {"version": 3, "paused": null | "abort" | "wait" | "keep",
+     "runs": {"b": {"max_staleness": 4, "weight": 1.0, "paused": null | "abort" | "wait" | "keep"}, ...},
+     "adapters": [{"name": "b--trl-policy-v7", "run": "b", "path": "...", "fingerprint": "..."}, ...]}
+
+`runs` are the registered runs (their slot reservation, fair-share weight and run-scoped pause, which
+the proxy holds itself); every adapter entry names its run, and its fleet-unique name is the run's
+qualified name (`<run>--<name>`, see `lorafleet.runs`); the default run's names are not qualified. A ledger
+with only default-run entries and no registered run is written as version 2, byte for byte what a
+single-run proxy wrote before runs existed (so a downgraded proxy still reads it):
 
     {"version": 2, "paused": null | "abort" | "wait" | "keep",
      "adapters": [{"name": "trl-policy-v7", "path": "/adapters/runs/r/.vllm_lora/trl-policy-v7",
@@ -11,8 +21,8 @@ means unknown (the proxy could not read the directory, or the entry came from a 
 `paused` is the fleet's pause state: a restarted proxy keeps a paused fleet paused.
 
 Version 1 (`{"version": 1, "adapters": [{"name", "path"}]}`) is read as: the same adapters with
-unknown fingerprints, and the fleet not paused (version 1 never recorded a pause). It is rewritten
-as version 2 at the next change.
+unknown fingerprints, and the fleet not paused (version 1 never recorded a pause). Versions 1 and 2
+are read as the default run's adapters with no registered run; they are rewritten at the next change.
 """
 
 from __future__ import annotations
@@ -25,10 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.adapters import AdapterNameError, AdapterPathError, check_adapter_name, confine, fleet_dir
+from lorafleet.runs import DEFAULT_RUN, RunNameError, check_run_name, run_of
 
 LEDGER_FILE = "proxy-ledger.json"
-LEDGER_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+LEDGER_VERSION = 3
+SINGLE_RUN_VERSION = 2  # written while the ledger holds nothing but the default run's adapters
+READABLE_VERSIONS = (1, 2, 3)
 PAUSE_MODES = ("abort", "wait", "keep")
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_SUFFIX = ".safetensors"
@@ -41,25 +53,46 @@ class LedgerFileError(ValueError):
 
 @dataclass(frozen=True)
 class Entry:
-    """One adapter of the ledger: where it is and what it contained when the fleet loaded it."""
+    """One adapter of the ledger: where it is, what it contained when the fleet loaded it, whose it is."""
 
     path: str
     fingerprint: str = ""
+    run: str = DEFAULT_RUN
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A registered run: the slots it reserves on every replica (max_staleness + 2), its fair-share weight
+    and its run-scoped pause (held at the proxy; None = running)."""
+
+    max_staleness: int
+    weight: float = 1.0
+    paused: str | None = None
+
+    @property
+    def slots(self) -> int:
+        return self.max_staleness + 2
 
 
 @dataclass
 class LedgerState:
-    """The whole ledger: adapters in load order and the fleet's pause mode (None = running)."""
+    """The whole ledger: adapters in load order, the fleet's pause mode (None = running), registered runs."""
 
     adapters: dict[str, Entry] = field(default_factory=dict)
     paused: str | None = None
     dropped: list[str] = field(default_factory=list)  # entries of the file that failed validation, with why
+    runs: dict[str, RunRecord] = field(default_factory=dict)
 
     def copy(self) -> LedgerState:
-        return LedgerState(dict(self.adapters), self.paused)
+        return LedgerState(dict(self.adapters), self.paused, runs=dict(self.runs))
 
     def same_as(self, other: LedgerState) -> bool:
-        return list(self.adapters.items()) == list(other.adapters.items()) and self.paused == other.paused
+        return (list(self.adapters.items()) == list(other.adapters.items()) and self.paused == other.paused
+                and self.runs == other.runs)
+
+    def single_run(self) -> bool:
+        """Nothing but the default run: the file is written in the version-2 format."""
+        return not self.runs and all(entry.run == DEFAULT_RUN for entry in self.adapters.values())
 
 
 def ledger_path(adapter_root: Path) -> Path:
@@ -104,9 +137,8 @@ def parse(text: str | bytes, adapter_root: Path) -> LedgerState:
     paused = payload.get("paused") if payload["version"] >= 2 else None
     if not isinstance(items, list):
         raise LedgerFileError("'adapters' is not a list")
-    if paused is not None and paused not in PAUSE_MODES:
-        raise LedgerFileError(f"'paused' is {paused!r}, not one of {PAUSE_MODES} or null")
-    state = LedgerState(paused=paused)
+    _check_pause(paused, "'paused'")
+    state = LedgerState(paused=paused, runs=_parse_runs(payload.get("runs", {}) if payload["version"] >= 3 else {}))
     for item in items:
         try:
             if not isinstance(item, dict):
@@ -116,11 +148,39 @@ def parse(text: str | bytes, adapter_root: Path) -> LedgerState:
             digest = item.get("fingerprint", "")
             if not isinstance(digest, str):
                 raise AdapterPathError(f"fingerprint {digest!r} is not a string")
+            run = item.get("run", DEFAULT_RUN)
+            if run != run_of(name)[0]:
+                raise AdapterNameError(f"run {run!r} does not own the name {name!r}")
         except (AdapterNameError, AdapterPathError) as exc:
             state.dropped.append(f"{item!r}: {exc}")
             continue
-        state.adapters[name] = Entry(path, digest)
+        state.adapters[name] = Entry(path, digest, run)
     return state
+
+
+def _check_pause(paused: object, where: str) -> None:
+    if paused is not None and paused not in PAUSE_MODES:
+        raise LedgerFileError(f"{where} is {paused!r}, not one of {PAUSE_MODES} or null")
+
+
+def _parse_runs(runs: object) -> dict[str, RunRecord]:
+    if not isinstance(runs, dict):
+        raise LedgerFileError("'runs' is not an object")
+    records = {}
+    for run, record in runs.items():
+        try:
+            check_run_name(run)
+        except RunNameError as exc:
+            raise LedgerFileError(str(exc)) from None
+        staleness = record.get("max_staleness") if isinstance(record, dict) else None
+        weight = record.get("weight", 1.0) if isinstance(record, dict) else None
+        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+            raise LedgerFileError(f"run {run!r}: 'max_staleness' {staleness!r} is not an integer >= 0")
+        if not isinstance(weight, int | float) or isinstance(weight, bool) or not weight > 0:
+            raise LedgerFileError(f"run {run!r}: 'weight' {weight!r} is not a number > 0")
+        _check_pause(record.get("paused"), f"run {run!r}: 'paused'")
+        records[run] = RunRecord(staleness, float(weight), record.get("paused"))
+    return records
 
 
 def read(path: Path, adapter_root: Path) -> LedgerState | None:
@@ -134,13 +194,22 @@ def read(path: Path, adapter_root: Path) -> LedgerState | None:
     return parse(text, adapter_root)
 
 
+def entries_json(state: LedgerState) -> list[dict[str, str]]:
+    """The adapter entries as the file (and the proxy's GET /fleet) write them: `run` only in version 3."""
+    single = state.single_run()
+    return [{"name": name, **({} if single else {"run": entry.run}), "path": entry.path,
+             "fingerprint": entry.fingerprint} for name, entry in state.adapters.items()]
+
+
 def serialize(state: LedgerState) -> bytes:
     payload: dict[str, Any] = {
-        "version": LEDGER_VERSION,
+        "version": SINGLE_RUN_VERSION if state.single_run() else LEDGER_VERSION,
         "paused": state.paused,
-        "adapters": [{"name": name, "path": entry.path, "fingerprint": entry.fingerprint}
-                     for name, entry in state.adapters.items()],
     }
+    if not state.single_run():
+        payload["runs"] = {run: {"max_staleness": record.max_staleness, "weight": record.weight,
+                                 "paused": record.paused} for run, record in state.runs.items()}
+    payload["adapters"] = entries_json(state)
     return json.dumps(payload, indent=1).encode()
 
 

@@ -72,6 +72,10 @@ class Settings(BaseSettings):
     max_staleness: int = Field(
         4, ge=0, description="Policy versions a rollout may lag behind; replicas get max_staleness + 2 LoRA slots."
     )
+    fleet_max_runs: int = Field(
+        1, ge=1, description="Training runs the fleet serves at once: replicas get "
+        "FLEET_MAX_RUNS x (MAX_STALENESS + 2) LoRA slots, the proxy's slot budget.",
+    )
     weight_sync_steps: int = Field(4, ge=1, description="Optimizer steps between adapter publications.")
     max_model_len: int = Field(4096, ge=16, description="Context length served by the replicas (prompt + completion).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level of every service.")
@@ -160,6 +164,14 @@ class Settings(BaseSettings):
         "elide",
         description="elide: a keep pause on the fleet port (trainer sync) pauses no replica; broadcast: it does.",
     )
+    run_lease_s: float = Field(
+        900.0, gt=0, description="A named run that sends nothing this long is expired: its adapters are unloaded "
+        "fleet-wide and its LoRA slots returned.",
+    )
+    proxy_fair_inflight_per_replica: int = Field(
+        64, ge=1, description="While several runs generate: requests in flight per ready replica, beyond which the "
+        "proxy queues them by fair share (tokens per run weight).",
+    )
 
     # --- trainer ----------------------------------------------------------------------------
     trainer_recipe: Literal["math", "tiny", "jsonl"] = Field(
@@ -168,7 +180,11 @@ class Settings(BaseSettings):
     dataset_path: str = Field(
         "", description="Local JSONL/Parquet file (problem, solution): jsonl's data, or math's set offline."
     )
-    trainer_vllm_url: str = Field("http://proxy:8000", description="The proxy's fleet port as the trainer reaches it.")
+    trainer_vllm_url: str = Field(
+        "http://proxy:8000", description="The proxy's fleet port as the trainer reaches it; "
+        "http://proxy:8000/runs/<run> trains as run <run> on a shared fleet.",
+    )
+    run_weight: float = Field(1.0, gt=0, description="Fair-share weight of this trainer's run on a shared fleet.")
     learning_rate: float = Field(4e-5, gt=0, description="Optimizer learning rate.")
     num_generations: int = Field(8, ge=2, description="Rollouts per prompt (GRPO group size).")
     token_budget: int = Field(16384, ge=0, description="Tokens per packed micro-batch; 0 = fixed count batching.")
@@ -292,7 +308,13 @@ class Settings(BaseSettings):
     @computed_field  # type: ignore[prop-decorator]
     @cached_property
     def max_loras(self) -> int:
-        """LoRA slots per replica: max_staleness + 1 versions can be in flight, and a sync loads before it unloads."""
+        """LoRA slots per replica: max_staleness + 1 versions can be in flight, and a sync loads before it unloads;
+        once per run the fleet serves at once."""
+        return self.fleet_max_runs * self.run_slots
+
+    @property
+    def run_slots(self) -> int:
+        """LoRA slots one run of this staleness reserves on every replica."""
         return self.max_staleness + 2
 
     @computed_field  # type: ignore[prop-decorator]

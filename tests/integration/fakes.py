@@ -115,6 +115,7 @@ class Faults:
     completion_status: int | None = None  # completions answer this status with vLLM's engine-dead body
     latency_s: float = 0.0  # added to every completion
     latency_jitter_s: float = 0.0  # plus a uniform random part (completions of different lengths)
+    max_running: int = 0  # completions served at once (an engine's batch); more wait for a turn; 0 = no limit
     stream_delay_s: float = 0.01  # between the chunks of a streamed completion
     healthy: bool = True
     hung: bool = False  # every request waits until this is cleared (a replica stuck in a long step)
@@ -140,6 +141,15 @@ class FakeReplica:
     cached_blocks: set[bytes] = field(default_factory=set)  # a prefix cache that never evicts (token prompts)
     prompt_blocks: int = 0
     hit_blocks: int = 0
+    batch: asyncio.Semaphore | None = field(default=None, repr=False)
+
+    def _running(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        """A turn in the engine's batch: `faults.max_running` at once (the semaphore is made on first use)."""
+        if not self.faults.max_running:
+            return contextlib.nullcontext()
+        if self.batch is None:
+            self.batch = asyncio.Semaphore(self.faults.max_running)
+        return self.batch
 
     def loads(self) -> list[str]:
         return [payload["lora_name"] for path, payload in self.calls if path == "/v1/load_lora_adapter"]
@@ -246,7 +256,8 @@ class FakeReplica:
                 return vllm_error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
             self._account_prefix_cache(model, body.get("prompt"))
             if self.faults.latency_s or self.faults.latency_jitter_s:
-                await asyncio.sleep(self.faults.latency_s + random.uniform(0, self.faults.latency_jitter_s))
+                async with self._running():
+                    await asyncio.sleep(self.faults.latency_s + random.uniform(0, self.faults.latency_jitter_s))
             if self.faults.completion_status:
                 return vllm_error(self.faults.completion_status, ENGINE_DEAD, "InternalServerError")
             answer = {"id": f"cmpl-{self.completions}", "object": "text_completion", "created": int(time.time()),

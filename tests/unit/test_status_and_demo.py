@@ -42,6 +42,21 @@ def test_status_shows_states_errors_routing_shares_and_latest_training_values():
     assert "affinity 85.0%" in text and "spilled 2.5%" in text and "unmatched 12.5%" in text
     assert "step 3" in text and "reward 0.300" in text
     assert "training: no metrics logged yet" in render_status(FLEET, "u", [])
+    assert "runs:" not in render_status(FLEET, "u", [])  # a single-run fleet shows no runs table
+
+
+def test_status_lists_the_runs_sharing_the_fleet_with_slots_tokens_shares_pauses_and_leases():
+    runs = [{"run": run, "slots": 6, "weight": weight, "inflight": 4, "generated_tokens": tokens, "share": share,
+             "paused": paused, "lease_left_s": lease, "adapters": [f"trl-policy-v{v}" for v in range(2, 7)]}
+            for run, weight, tokens, share, paused, lease in [("a", 1.0, 3000, 0.75, None, 880.0),
+                                                              ("b", 2.0, 1000, 0.25, "wait", 12.0)]]
+    fleet = {**FLEET, "runs": runs, "slots": {"capacity": 12, "reserved": 12, "unreclaimed": ["a--trl-policy-v1"]}}
+    text = render_status(fleet, "u", [])
+    assert "runs: slot budget 12 (--max-loras), reserved 12, unreclaimed 1" in text
+    row_a = next(line for line in text.splitlines() if line.startswith("a "))
+    assert "75.0%" in row_a and "880s" in row_a and "trl-policy-v2 … v6 (5)" in row_a and " 3000 " in row_a
+    row_b = next(line for line in text.splitlines() if line.startswith("b "))
+    assert "wait" in row_b and "25.0%" in row_b and " 2 " in row_b
 
 
 def test_partial_metrics_lines_are_skipped(tmp_path: Path):

@@ -20,6 +20,8 @@ import httpx
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from lorafleet.ledger_file import LedgerState, entries_json
+from lorafleet.runs import DEFAULT_RUN, qualify
 from lorafleet.settings import ConfigError, Settings
 from lorafleet.vllm_api import PROXY_UPSTREAM_HEADER, VLLMError
 from prometheus_client import generate_latest
@@ -28,7 +30,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import broadcast
 from .broadcast import error, no_ready_replica, relay
-from .elision import PUBLIC_PORT_SCOPE_KEY, PauseElision
+from .elision import PUBLIC_PORT_SCOPE_KEY, PauseElision, on_public_port
+from .fairshare import FairShare
 from .fleet import Fleet, State
 from .front import READ_ONLY_ROUTES, ROUTES, Front, Upstreams
 from .ledger import Ledger, ledger_path
@@ -37,11 +40,13 @@ from .openapi import document
 from .requests import (
     LoadLoRAAdapterRequest,
     PauseMode,
+    RegisterRunRequest,
     ResetPrefixCacheQuery,
     UnloadLoRAAdapterRequest,
     validation_error,
 )
 from .router import Router
+from .runs import RUN_SCOPE_KEY, Runs, foreign_name, renamed
 
 log = logging.getLogger("lorafleet.proxy")
 
@@ -98,12 +103,15 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     fleet = Fleet(settings, router, ledger, transport, metrics)
     upstreams = Upstreams(settings.proxy_request_timeout_s, settings.proxy_upstream_token)
     elision = PauseElision(settings.proxy_sync_pause)
+    runs = Runs(settings, fleet, metrics)
+    fair = FairShare(lambda: settings.proxy_fair_inflight_per_replica * max(len(fleet.ready()), 1))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         log.info("proxy starting routing=%s upstreams=%s dns=%s ledger=%s adapters=%d", settings.proxy_routing,
                  settings.upstream_urls, settings.proxy_upstream_dns or "-", ledger.path, len(ledger))
         await fleet.start()
+        fleet.supervise("leases", runs.expire_idle, min(settings.run_lease_s / 4, settings.proxy_health_interval_s))
         try:
             yield
         finally:
@@ -113,6 +121,10 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     app = ProxyApp(title="lorafleet proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
                    openapi_url="/openapi.json", exception_handlers={RequestValidationError: validation_error})
     app.state.fleet, app.state.router, app.state.ledger, app.state.metrics = fleet, router, ledger, metrics
+    app.state.runs, app.state.fair = runs, fair
+
+    def run_of_request(request: Request) -> str:
+        return request.scope.get(RUN_SCOPE_KEY, DEFAULT_RUN)  # type: ignore[no-any-return]
 
     async def timed(op: str, call: Awaitable[Response]) -> Response:
         started = time.perf_counter()
@@ -130,25 +142,55 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         app.add_api_route(path, relayed_route, methods=[method])
 
     # --- fleet-wide state changes ------------------------------------------------------------------
+    def not_its_own(run: str, name: str) -> Response:
+        where = "another run's adapter name" if run == DEFAULT_RUN else f"not a name of run {run!r}"
+        return error(400, f"invalid adapter name {name!r}: {where} (names with '--' are run-qualified; a run "
+                     "reaches its own adapters under /runs/<run>/)", "InvalidUserInput")
+
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
-        return await timed("load", broadcast.load_adapter(fleet, body.model_dump()))
+    async def load_lora_adapter(request: Request, body: LoadLoRAAdapterRequest) -> Response:
+        run, name = run_of_request(request), body.lora_name
+        if foreign_name(run, name):
+            return not_its_own(run, name)
+        qualified = qualify(run, name)
+
+        def admit(state: LedgerState) -> Response | None:
+            return runs.admit(state, run) or runs.check_load(state, run, qualified)
+
+        load = broadcast.load_adapter(fleet, {**body.model_dump(), "lora_name": qualified}, run, admit)
+        return renamed(await timed("load", load), qualified, name)
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
-        return await timed("unload", broadcast.unload_adapter(fleet, body.model_dump()))
+    async def unload_lora_adapter(request: Request, body: UnloadLoRAAdapterRequest) -> Response:
+        run, name = run_of_request(request), body.lora_name
+        if foreign_name(run, name):
+            return error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        qualified = qualify(run, name)
+        unload = broadcast.unload_adapter(fleet, {**body.model_dump(), "lora_name": qualified})
+        return renamed(await timed("unload", unload), qualified, name)
+
+    @app.post("/register")
+    async def register(request: Request, body: RegisterRunRequest) -> Response:
+        """lorafleet's own: reserve a run's LoRA slots (max_staleness + 2) and set its fair-share weight."""
+        return await runs.register(run_of_request(request), body.max_staleness, body.weight)
 
     @app.post("/pause")
     async def pause(request: Request, mode: PauseMode = "abort") -> Response:
-        if elision.elide_pause(request.scope, mode):
+        run = run_of_request(request)
+        if elision.elide_pause(request.scope, mode, run):
             metrics.pauses_elided.inc()
             return JSONResponse({"status": "paused"})
+        if run != DEFAULT_RUN:
+            return await runs.pause(run, mode)  # held at the proxy: no replica pauses for one run
         return await timed("pause", broadcast.pause(fleet, mode))
 
     @app.post("/resume")
     async def resume(request: Request) -> Response:
-        if elision.elide_resume(request.scope):
+        run = run_of_request(request)
+        if elision.elide_resume(request.scope, run):
             return JSONResponse({"status": "resumed"})
+        if run != DEFAULT_RUN:
+            return await runs.resume(run)
         return await timed("resume", broadcast.resume(fleet))
 
     @app.post("/reset_prefix_cache")
@@ -173,7 +215,10 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
 
     # --- read-only ---------------------------------------------------------------------------------
     @app.get("/is_paused")
-    async def is_paused() -> Response:  # the replicas' own state: an elided pause paused none of them
+    async def is_paused(request: Request) -> Response:  # the replicas' own state: an elided pause paused none
+        run = run_of_request(request)
+        if run != DEFAULT_RUN:
+            return JSONResponse({"is_paused": runs.paused(run)})  # the run's pause, held at the proxy
         ready = fleet.ready()
         if not ready:
             return no_ready_replica(fleet)
@@ -181,7 +226,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         return JSONResponse({"is_paused": any(answer is True for answer in answers)})
 
     @app.get("/server_info")
-    async def server_info(config_format: Literal["text", "json"] = "text") -> Response:
+    async def server_info(request: Request, config_format: Literal["text", "json"] = "text") -> Response:
         """Every ready replica is asked. json: the fleet's view (LoRA limits all honour); text: one replica's own."""
         ready = fleet.ready()
         if not ready:
@@ -197,13 +242,18 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                 return relay(first, "/server_info failed on every ready replica")
             raise first
         if config_format == "json":
-            return JSONResponse(_fleet_server_info([answer.json() for _, answer in answers]))
+            merged = _fleet_server_info([answer.json() for _, answer in answers])
+            run = run_of_request(request)
+            lora = merged["vllm_config"].get("lora_config")
+            if run != DEFAULT_RUN and isinstance(lora, dict):
+                lora["max_loras"] = lora["max_cpu_loras"] = runs.slots_for(run)  # what TRL checks its staleness on
+            return JSONResponse(merged)
         replica, answer = answers[0]
         return Response(answer.content, media_type=answer.headers.get("content-type"),
                         headers={PROXY_UPSTREAM_HEADER: replica.url})
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
         ready = fleet.ready()
         if not ready:
             return no_ready_replica(fleet)
@@ -214,10 +264,13 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         base = [card for card in data if card.get("parent") is None][:1]
         cards = {card["id"]: card for card in data}
         parent = base[0]["id"] if base else None
-        adapters = [cards.get(name) or {"id": name, "object": "model", "created": int(time.time()),
-                                        "owned_by": "vllm", "root": path, "parent": parent, "max_model_len": None,
-                                        "permission": []}
-                    for name, path in ledger.paths().items()]
+        run = run_of_request(request)
+        every_run = run == DEFAULT_RUN and on_public_port(request.scope)  # operators see qualified names
+        adapters = [{**(cards.get(name) or {"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "vllm", "root": entry.path, "parent": parent,
+                                            "max_model_len": None, "permission": []}),
+                     "id": name if every_run else runs.own_name(name)}
+                    for name, entry in ledger.entries().items() if every_run or entry.run == run]
         return JSONResponse({"object": "list", "data": base + adapters})
 
     # --- the proxy's own endpoints ---------------------------------------------------------------
@@ -235,8 +288,9 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     async def fleet_view() -> Response:
         return JSONResponse({
             "replicas": [replica.as_json() for replica in fleet.replicas.values()],
-            "ledger": [{"name": name, "path": entry.path, "fingerprint": entry.fingerprint}
-                       for name, entry in ledger.entries().items()],
+            "ledger": entries_json(ledger.state()),
+            "runs": runs.view(),
+            "slots": runs.budget(),
             "paused": ledger.paused,
             "ledger_rebuilding": ledger.rebuilding,
             "loops_alive": fleet.loops_alive(),
@@ -255,11 +309,13 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             metrics.replica_adapters.labels(replica.url).set(len(replica.adapters))
         metrics.tracked_blocks.set(router.tracked_blocks)
         metrics.ledger_size.set(len(ledger))
+        runs.export()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.openapi = lambda: document(app)  # type: ignore[method-assign]
     app.front = Front(partial(FastAPI.__call__, app), fleet, router, metrics, upstreams,
-                      settings.proxy_max_body_bytes, {route.path for route in app.routes})  # type: ignore[attr-defined]
+                      settings.proxy_max_body_bytes, {route.path for route in app.routes},  # type: ignore[attr-defined]
+                      runs, fair)
     return app
 
 

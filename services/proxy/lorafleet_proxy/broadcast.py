@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from lorafleet.adapters import AdapterNameError, AdapterPathError, check_adapter_name, confine
 from lorafleet.ledger_file import Entry, LedgerState, fingerprint
+from lorafleet.runs import DEFAULT_RUN
 from lorafleet.vllm_api import VLLMError, VLLMUnreachable, error_body
 
 from .fleet import Fleet, Replica, State
@@ -85,7 +86,7 @@ def _forget(fleet: Fleet, name: str, replicas: list[Replica]) -> None:
         replica.held.pop(name, None)
 
 
-def _commit(fleet: Fleet, state: LedgerState) -> LedgerWriteError | None:
+def commit_state(fleet: Fleet, state: LedgerState) -> LedgerWriteError | None:
     """Persist `state` as the ledger; the error (counted) when it could not be written."""
     try:
         fleet.ledger.commit(state)
@@ -121,20 +122,27 @@ def _check_load_request(fleet: Fleet, body: dict[str, Any]) -> tuple[str, str] |
     return name, str(resolved)
 
 
-async def load_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
+async def load_adapter(fleet: Fleet, body: dict[str, Any], run: str = DEFAULT_RUN,
+                       admit: Callable[[LedgerState], JSONResponse | None] | None = None) -> Response:
     """All-or-nothing load; idempotent for the same path and content; a new path or new content under a
-    known name is a rebind (unload everywhere, reset prefix caches, load), never "already loaded"."""
+    known name is a rebind (unload everywhere, reset prefix caches, load), never "already loaded".
+
+    `body["lora_name"]` is the fleet-unique name of `run`'s adapter; `admit` (under the fleet lock, before any
+    replica is touched) may register the run in the state it is given, or refuse the load (runs.py)."""
     checked = _check_load_request(fleet, body)
     if isinstance(checked, JSONResponse):
         return checked
     name, path = checked
-    entry = Entry(path, await asyncio.to_thread(fingerprint, path))
+    entry = Entry(path, await asyncio.to_thread(fingerprint, path), run)
     async with fleet.broadcasting():
         if fleet.ledger.rebuilding:
             return rebuilding(fleet)
         targets = fleet.ready()
         if not targets:
             return no_ready_replica(fleet)
+        planned = fleet.ledger.state()
+        if admit is not None and (refusal := admit(planned)) is not None:
+            return refusal
         known = fleet.ledger.get(name)
         if (known is not None and not _same(known, entry)) or any(
                 name in r.held and not r.holds(name, entry) for r in targets):
@@ -149,13 +157,14 @@ async def load_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
         if failed:
             return await _roll_back(fleet, name, loaded, failed, len(targets))
         if not entry.fingerprint:  # the volume may have caught up while the replicas retried
-            entry = Entry(path, await asyncio.to_thread(fingerprint, path))
+            entry = Entry(path, await asyncio.to_thread(fingerprint, path), run)
         if not entry.fingerprint and known is not None and known.path == path:
             entry = known  # unreadable here now: keep what the ledger knew
         state = fleet.ledger.state()
+        state.runs = planned.runs
         state.adapters.pop(name, None)
         state.adapters[name] = entry
-        if not state.same_as(fleet.ledger.state()) and (exc := _commit(fleet, state)) is not None:
+        if not state.same_as(fleet.ledger.state()) and (exc := commit_state(fleet, state)) is not None:
             await _unload_from(fleet, name, loaded, "rollback after a failed ledger write")
             return ledger_failed(exc, f"the load of {name!r} was rolled back on {len(loaded)} replica(s)")
         for replica in fleet.ready():
@@ -191,6 +200,11 @@ async def _unload_from(fleet: Fleet, name: str, replicas: list[Replica], why: st
     _forget(fleet, name, replicas)
 
 
+async def unload_from_ready(fleet: Fleet, name: str, why: str) -> None:
+    """Unload `name` from every ready replica (the caller took the lock and dropped it from the ledger)."""
+    await _unload_from(fleet, name, fleet.ready(), why)
+
+
 async def _roll_back(fleet: Fleet, name: str, accepted: list[Replica], failed: list[tuple[Replica, VLLMError]],
                      total: int) -> JSONResponse:
     await _unload_from(fleet, name, accepted, "rollback")
@@ -214,12 +228,12 @@ async def _rebind(fleet: Fleet, name: str, targets: list[Replica]) -> JSONRespon
     previous = fleet.ledger.state()
     without = previous.copy()
     without.adapters.pop(name, None)
-    if not without.same_as(previous) and (exc := _commit(fleet, without)) is not None:
+    if not without.same_as(previous) and (exc := commit_state(fleet, without)) is not None:
         return ledger_failed(exc, f"nothing was changed on the replicas (rebinding {name!r})")
     unloaded = await _each(fleet, targets, lambda replica: replica.client.unload_lora_adapter(name))
     broken = [(replica, result) for replica, result in _failures(unloaded) if result.status != 404]
     if broken and len(broken) == len(unloaded):
-        _commit(fleet, previous)
+        commit_state(fleet, previous)
         return relay(broken[0][1], f"unloading {name!r} before rebinding it failed on every replica")
     for replica, result in broken:
         fleet.resync(replica, f"unload of {name} before rebinding failed: {result}")
@@ -252,7 +266,7 @@ async def unload_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
         if in_ledger:
             without = previous.copy()
             del without.adapters[name]
-            if (exc := _commit(fleet, without)) is not None:
+            if (exc := commit_state(fleet, without)) is not None:
                 return ledger_failed(exc, f"{name!r} was not unloaded from any replica")
         targets = fleet.ready()
         results = await _each(fleet, targets, lambda replica: replica.client.unload_lora_adapter(name))
@@ -260,7 +274,7 @@ async def unload_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
         absent = [replica for replica, result in _failures(results) if result.status == 404]
         broken = [(replica, exc) for replica, exc in _failures(results) if exc.status != 404]
         if broken and not removed and not absent:
-            if in_ledger and (exc := _commit(fleet, previous)) is not None:
+            if in_ledger and (exc := commit_state(fleet, previous)) is not None:
                 log.error("unload name=%s failed everywhere and the ledger could not be restored: %s", name, exc)
             return relay(broken[0][1], f"unload of {name!r} failed on every replica ({len(broken)}); "
                          "nothing changed")
@@ -309,7 +323,7 @@ async def pause(fleet: Fleet, mode: str) -> Response:
             return relay(failed[0][1], context)
         state = fleet.ledger.state()
         state.paused = mode
-        if (exc := _commit(fleet, state)) is not None:
+        if (exc := commit_state(fleet, state)) is not None:
             if previous is None:
                 await _set_pause(fleet, paused, None, "resume after a failed ledger write")
             return ledger_failed(exc, "the replicas are back to the fleet's previous pause state")
@@ -333,7 +347,7 @@ async def resume(fleet: Fleet) -> Response:
                          f"{'paused' if previous else 'running'}")
         state = fleet.ledger.state()
         state.paused = None
-        if (exc := _commit(fleet, state)) is not None:
+        if (exc := commit_state(fleet, state)) is not None:
             await _set_pause(fleet, resumed, previous, "pause again after a failed ledger write")
             return ledger_failed(exc, "the replicas are back to the fleet's previous pause state")
         for replica, exc in failed:

@@ -4,11 +4,14 @@ With versioned adapter names (`trl-policy-vN`) a sync never changes the weights 
 rollouts in flight keep naming their version and TRL accounts for their staleness, so pausing the
 fleet for the save + load protects nothing and only stalls generation. Under PROXY_SYNC_PAUSE=elide
 a `keep` pause from the fleet port (the trainer's) and the resume that follows it touch no replica.
-`abort`/`wait` pauses and everything on the public port (operators) are still broadcast.
+`abort`/`wait` pauses and everything on the public port (operators) are still broadcast. A named run's
+pause (runs.py) pauses no replica anyway; its `keep` pause is elided the same way, so its requests are
+not held during its syncs either. Each run's elided pause waits for its own resume.
 """
 
 from __future__ import annotations
 
+from lorafleet.runs import DEFAULT_RUN
 from starlette.types import Scope
 
 # BearerAuth sets this key in the scope of every request that came in on the public port.
@@ -27,16 +30,19 @@ class PauseElision:
 
     def __init__(self, mode: str) -> None:
         self.enabled = mode == "elide"
-        self.pending = False  # a keep pause was elided and its resume has not come yet
+        self.pending: set[str] = set()  # runs whose keep pause was elided and whose resume has not come yet
 
-    def elide_pause(self, scope: Scope, mode: str) -> bool:
+    def elide_pause(self, scope: Scope, mode: str, run: str = DEFAULT_RUN) -> bool:
         # A broadcast pause clears an earlier elided one: the resume that follows must reach the replicas.
-        self.pending = self.enabled and mode == "keep" and not on_public_port(scope)
-        return self.pending
+        if self.enabled and mode == "keep" and not on_public_port(scope):
+            self.pending.add(run)
+            return True
+        self.pending.discard(run)
+        return False
 
-    def elide_resume(self, scope: Scope) -> bool:
-        """Only the fleet port's resume after an elided pause; any other resume is broadcast."""
-        if self.pending and not on_public_port(scope):
-            self.pending = False
+    def elide_resume(self, scope: Scope, run: str = DEFAULT_RUN) -> bool:
+        """Only the fleet port's resume after an elided pause of the same run; any other resume is broadcast."""
+        if run in self.pending and not on_public_port(scope):
+            self.pending.discard(run)
             return True
         return False

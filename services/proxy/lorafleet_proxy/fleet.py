@@ -25,6 +25,7 @@ from typing import Literal
 
 import httpx
 from lorafleet.ledger_file import Entry, LedgerState, fingerprint
+from lorafleet.runs import run_of
 from lorafleet.settings import Settings
 from lorafleet.vllm_api import VLLMClient, VLLMError, VLLMUnreachable, metric_total
 
@@ -106,6 +107,10 @@ class Fleet:
         self._tasks.append(asyncio.create_task(
             self._supervised("health", self.health_round, self.settings.proxy_health_interval_s),
             name="proxy-health"))
+
+    def supervise(self, loop: str, body: Callable[[], Awaitable[None]], interval_s: float) -> None:
+        """One more supervised loop for the life of the proxy (runs' leases); counted by `loops_alive`."""
+        self._tasks.append(asyncio.create_task(self._supervised(loop, body, interval_s), name=f"proxy-{loop}"))
 
     async def stop(self) -> None:
         for replica in self.replicas.values():
@@ -287,7 +292,7 @@ class Fleet:
             return
         state = LedgerState(paused="keep" if all(paused for _, paused in views) else None)
         for name, path in agreed([listed for listed, _ in views]).items():
-            state.adapters[name] = Entry(path, await asyncio.to_thread(fingerprint, path))
+            state.adapters[name] = Entry(path, await asyncio.to_thread(fingerprint, path), run_of(name)[0])
         try:
             self.ledger.commit(state)
         except LedgerWriteError as exc:

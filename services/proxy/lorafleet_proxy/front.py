@@ -28,6 +28,11 @@ Streams (`"stream": true`) are passed through chunk by chunk. If the replica's s
 bytes reached the client, the proxy aborts the client's connection (no terminating chunk): the
 client sees an incomplete response, never a clean end. In-flight accounting wraps the whole exchange
 in try/finally, so a client that goes away at any point never leaks a count.
+
+Runs (runs.py): a request under `/runs/<run>/` is served as the same route without the prefix, for that
+run: its `model` is mapped to the run's fleet-unique adapter name and back in the answer, it waits while
+its run is paused, and, while several runs share the fleet, it takes its turn in the fair-share queue
+(fairshare.py). A single-run fleet pays one set lookup for all of that.
 """
 
 from __future__ import annotations
@@ -40,15 +45,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from lorafleet.runs import DEFAULT_RUN, RUN_URL_PREFIX, RunNameError, qualify
 from lorafleet.vllm_api import PROXY_UPSTREAM_HEADER
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .broadcast import error, no_ready_replica
+from .elision import on_public_port
+from .fairshare import FairShare, estimate_tokens, prompt_tokens
 from .fleet import Failure, Fleet
 from .metrics import Metrics
 from .replica import KEEPALIVE_EXPIRY_S, Replica
 from .router import BadPrompt, Prompt, Router
+from .runs import RUN_SCOPE_KEY, Runs, split_run_path
 from .upstream import Answer, ConnectRefused, ConnectTimeout, Pool, ReadTimeout, UpstreamError
 
 log = logging.getLogger("lorafleet.proxy.front")
@@ -59,6 +68,9 @@ NOT_FOUND_MARK = b"does not exist"  # vLLM's 404 for a model it does not serve (
 UPSTREAM_HEADER = PROXY_UPSTREAM_HEADER.lower().encode()  # which replica answered (tests and operators read it)
 PASSED_RESPONSE_HEADERS = ("content-type", "x-request-id")
 CONNECT_TIMEOUT_S = 10.0
+
+
+Rename = tuple[bytes, bytes] | None  # (fleet-unique name, the run's own name) to write back in answers
 
 
 class StreamBroken(Exception):
@@ -165,9 +177,11 @@ class Front:
     generation and read-only routes itself and passes the rest to `app` (FastAPI's stack)."""
 
     def __init__(self, app: ASGIApp, fleet: Fleet, router: Router, metrics: Metrics, upstreams: Upstreams,
-                 max_body_bytes: int, routes: Iterable[str]) -> None:
+                 max_body_bytes: int, routes: Iterable[str], runs: Runs, fair: FairShare) -> None:
         self.app = app
         self.fleet = fleet
+        self.runs = runs
+        self.fair = fair
         self.router = router
         self.metrics = metrics
         self.upstreams = upstreams
@@ -190,6 +204,15 @@ class Front:
                 status = message["status"]
             await send(message)
 
+        if scope["path"].startswith(RUN_URL_PREFIX):
+            try:
+                run, path = split_run_path(scope["path"])
+            except RunNameError as exc:
+                await error(404, str(exc), "NotFoundError")(scope, receive, record)
+                self.metrics.count_request("other", 404)
+                return
+            scope = {**scope, "path": path, "raw_path": path.encode(), RUN_SCOPE_KEY: run}
+            self.runs.touch(run)
         try:
             await self.serve(scope, receive, record)
         finally:
@@ -218,11 +241,65 @@ class Front:
         except BadPrompt as exc:
             await bad_request(str(exc), exc.param)(scope, receive, send)
             return
-        await self.relay(scope, raw, receive, send, body.get("model") or "", prompts, body.get("stream") is True)
+        model: str = body.get("model") or ""
+        run: str = scope.get(RUN_SCOPE_KEY, DEFAULT_RUN)
+        adapter, rename = model, None
+        if run != DEFAULT_RUN or model in self.runs.foreign:
+            scoped = self.scoped_adapter(scope, run, model)
+            if scoped is None:  # another run's adapter: as if it did not exist
+                await error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")(scope, receive, send)
+                return
+            if scoped != model:
+                adapter, rename = scoped, (scoped.encode(), model.encode())
+                raw = orjson.dumps({**body, "model": scoped})
+        stream = body.get("stream") is True
+        if not self.runs.shared:
+            await self.relay(scope, raw, receive, send, adapter, prompts, stream, model, rename)
+        else:
+            await self.relay_for_run(scope, raw, receive, send, run, body, adapter, prompts, stream, rename)
+
+    def scoped_adapter(self, scope: Scope, run: str, model: str) -> str | None:
+        """The fleet-unique name `run` means by `model` (the base model and unknown names as given); None
+        for another run's adapter (named runs see only theirs; the default run too, but on the public port)."""
+        if run != DEFAULT_RUN and model:
+            qualified = qualify(run, model)
+            if self.fleet.ledger.get(qualified) is not None:
+                return qualified
+        if model in self.runs.foreign and (run != DEFAULT_RUN or not on_public_port(scope)):
+            return None
+        return model
+
+    async def relay_for_run(self, scope: Scope, raw: bytes, receive: Receive, send: Send, run: str,
+                            body: dict[str, Any], adapter: str, prompts: list[Prompt], stream: bool,
+                            rename: Rename) -> None:
+        """Several runs share the fleet: wait while the run is paused, take a fair-share turn, count tokens."""
+        live = self.runs.get(run)
+        if not live.running.is_set():
+            await live.running.wait()  # the run's pause holds its requests here, never on the replicas
+        prompt = prompt_tokens(body)
+        estimate = estimate_tokens(body, prompt)
+        live.inflight += 1
+        live.requests += 1
+        answers: list[bytes] = []
+        try:
+            waited = await self.fair.enter(run, self.runs.weight(run), estimate)
+            self.metrics.run_queue_wait.labels(run).observe(waited)
+            try:
+                await self.relay(scope, raw, receive, send, adapter, prompts, stream, body.get("model") or "",
+                                 rename, answers)
+            finally:
+                generated = self.runs.count_tokens(live, answers[0] if answers else b"")
+                self.fair.leave(run, estimate, None if generated is None else prompt + generated)
+        finally:
+            live.inflight -= 1
 
     async def relay(self, scope: Scope, raw: bytes, receive: Receive, send: Send, adapter: str = "",
-                    prompts: list[Prompt] | None = None, stream: bool = False) -> None:
-        """Relay to one candidate replica, retrying on another; `prompts` None: the least loaded, no routing."""
+                    prompts: list[Prompt] | None = None, stream: bool = False, shown: str = "",
+                    rename: Rename = None, answers: list[bytes] | None = None) -> None:
+        """Relay to one candidate replica, retrying on another; `prompts` None: the least loaded, no routing.
+
+        `shown`: the model as the client named it; `rename`: names to write back; `answers` gets the body of a
+        non-streamed answer (token counts)."""
         path: str = scope["path"]
         url = path + ("?" + scope["query_string"].decode("latin-1") if scope["query_string"] else "")
         tried: set[str] = set()
@@ -238,7 +315,8 @@ class Front:
                 self.outcomes[decision.outcome].inc()
                 replica = self.fleet.replicas[decision.replica]
             tried.add(replica.url)
-            failed = await self.attempt(replica, scope["method"], path, url, raw, stream, held, send, receive)
+            failed = await self.attempt(replica, scope["method"], path, url, raw, stream, held, send, receive,
+                                        rename, answers)
             if failed is None:
                 return
             last = failed.response
@@ -246,7 +324,7 @@ class Front:
                 break
         if last is None:
             last = no_ready_replica(self.fleet) if not self.fleet.ready() else error(
-                404, f"The model `{adapter}` does not exist.", "NotFoundError", "model")
+                404, f"The model `{shown or adapter}` does not exist.", "NotFoundError", "model")
         await last(scope, receive, send)
 
     def candidates(self, adapter: str, tried: set[str]) -> tuple[list[Replica], bool]:
@@ -260,7 +338,8 @@ class Front:
         return [replica for replica in ready if serves_base(replica, adapter)], False
 
     async def attempt(self, replica: Replica, method: str, path: str, url: str, raw: bytes, stream: bool,
-                      held: bool, send: Send, receive: Receive) -> Failed | None:
+                      held: bool, send: Send, receive: Receive, rename: Rename = None,
+                      answers: list[bytes] | None = None) -> Failed | None:
         """One exchange with one replica; None once the client has its answer, else why it failed."""
         replica.inflight += 1
         replica.routed += 1
@@ -272,6 +351,8 @@ class Front:
             if status >= 500 or status == 404 or not stream:
                 content = await answer.read()
                 self.latencies[path].observe(time.perf_counter() - started)
+                if rename is not None:
+                    content = content.replace(*rename)
                 if status >= 500 or (status == 404 and held and NOT_FOUND_MARK in content):
                     reason = "5xx" if status >= 500 else "404"
                     self.retries[reason].inc()
@@ -282,10 +363,12 @@ class Front:
                 await send({"type": "http.response.start", "status": status,
                             "headers": [*self._headers(answer, replica), (b"content-length", b"%d" % len(content))]})
                 await send({"type": "http.response.body", "body": content})
+                if answers is not None:
+                    answers.append(content)
                 return None
             self.latencies[path].observe(time.perf_counter() - started)
             await send({"type": "http.response.start", "status": status, "headers": self._headers(answer, replica)})
-            await self._relay_stream(answer, replica, path, send, receive)
+            await self._relay_stream(answer, replica, path, send, receive, rename)
             return None
         except ConnectTimeout as exc:  # slow to accept: ejected only if it lasts
             return self._transport_failure(replica, path, exc, "timeout")
@@ -303,18 +386,28 @@ class Front:
                 answer.close()
 
     @staticmethod
-    async def _relay_stream(answer: Answer, replica: Replica, path: str, send: Send, receive: Receive) -> None:
-        """Chunks as they come; a client that leaves stops the stream (the replica sees its connection close)."""
+    async def _relay_stream(answer: Answer, replica: Replica, path: str, send: Send, receive: Receive,
+                            rename: Rename = None) -> None:
+        """Chunks as they come; a client that leaves stops the stream (the replica sees its connection close).
+
+        With `rename`, the tail that could be the start of a split name waits for the next chunk."""
+        keep = len(rename[0]) - 1 if rename is not None else 0
 
         async def relay() -> None:
+            pending = b""
             try:
                 async for chunk in answer.chunks():
+                    if rename is not None:
+                        pending = (pending + chunk).replace(*rename)
+                        chunk, pending = pending[: len(pending) - keep], pending[len(pending) - keep:]
+                        if not chunk:
+                            continue
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except UpstreamError as exc:
                 log.warning("upstream %s broke a stream on %s: %s; aborting the client connection",
                             replica.url, path, exc)
                 raise StreamBroken(f"replica {replica.url} broke the stream: {exc}") from exc
-            await send({"type": "http.response.body", "body": b""})
+            await send({"type": "http.response.body", "body": pending})
 
         async def client_left() -> None:
             while (await receive())["type"] != "http.disconnect":

@@ -15,9 +15,10 @@ hold (`Fleet` does that at its first health round where replicas answer).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
-from lorafleet.ledger_file import Entry, LedgerFileError, LedgerState, ledger_path, read, write
+from lorafleet.ledger_file import Entry, LedgerFileError, LedgerState, RunRecord, ledger_path, read, write
 
 __all__ = ["Ledger", "LedgerWriteError", "ledger_path"]
 
@@ -35,6 +36,7 @@ class Ledger:
         self._state = LedgerState()
         self.rebuilding = False  # the file was unreadable: wait for the replicas before trusting any view
         self.unreadable_reason = ""
+        self.observers: list[Callable[[LedgerState], None]] = []  # told every state that became the ledger
 
     def restore(self) -> None:
         """Read the persisted ledger. A missing file is an empty ledger; an unusable one means `rebuilding`."""
@@ -51,8 +53,9 @@ class Ledger:
         for reason in state.dropped:
             log.warning("ledger: dropping entry %s", reason)
         self._state = state
-        log.info("ledger: restored %d adapter(s) from %s: %s paused=%s", len(state.adapters), self.path,
-                 list(state.adapters), state.paused)
+        self._notify()
+        log.info("ledger: restored %d adapter(s) from %s: %s paused=%s runs=%s", len(state.adapters), self.path,
+                 list(state.adapters), state.paused, list(state.runs))
 
     def commit(self, state: LedgerState) -> None:
         """Persist `state` durably, then make it the ledger. Raises LedgerWriteError (memory unchanged)."""
@@ -63,6 +66,11 @@ class Ledger:
             raise LedgerWriteError(f"the fleet ledger {self.path} could not be written: {exc}") from exc
         self._state = state.copy()
         self.rebuilding = False
+        self._notify()
+
+    def _notify(self) -> None:
+        for observer in self.observers:
+            observer(self._state)
 
     def state(self) -> LedgerState:
         """A copy to change and `commit`."""
@@ -77,6 +85,10 @@ class Ledger:
 
     def get(self, name: str) -> Entry | None:
         return self._state.adapters.get(name)
+
+    def runs(self) -> dict[str, RunRecord]:
+        """The registered runs (a copy)."""
+        return dict(self._state.runs)
 
     @property
     def paused(self) -> str | None:

@@ -73,6 +73,26 @@ class Metrics:
                                        "the ledger file was unusable.", registry=r)
         self.ledger_write_failures = Counter("lorafleet_proxy_ledger_write_failures", "Ledger writes that failed "
                                              "(the broadcast that needed them failed).", registry=r)
+        # --- runs sharing the fleet (runs.py, fairshare.py): the `run` label is a run name (bounded by the budget)
+        self.run_tokens = Counter("lorafleet_proxy_run_tokens", "Tokens per run and kind (prompt, generated) of "
+                                  "non-streamed answers, counted while runs share the fleet.", ["run", "kind"],
+                                  registry=r)
+        self.run_queue_wait = Histogram("lorafleet_proxy_run_queue_wait_seconds", "Time a run's generation request "
+                                        "waited in the fair-share queue.", ["run"], buckets=LATENCY_BUCKETS,
+                                        registry=r)
+        self.run_slots = Gauge("lorafleet_proxy_run_slots", "LoRA slots a run reserves on every replica.", ["run"],
+                               registry=r)
+        self.run_adapters = Gauge("lorafleet_proxy_run_adapters", "Adapters a run holds.", ["run"], registry=r)
+        self.run_inflight = Gauge("lorafleet_proxy_run_inflight_requests", "A run's generation requests in flight "
+                                  "or queued at the proxy.", ["run"], registry=r)
+        self.run_share = Gauge("lorafleet_proxy_run_generated_share", "A run's share of the generated tokens.",
+                               ["run"], registry=r)
+        self.slots = Gauge("lorafleet_proxy_lora_slots", "The slot budget: capacity (smallest --max-loras), reserved "
+                           "by runs, unreclaimed (unloaded, not yet evicted by vLLM's LRU).", ["kind"], registry=r)
+        self.run_refusals = Counter("lorafleet_proxy_run_refusals", "Registrations and loads refused by the slot "
+                                    "budget (409).", registry=r)
+        self.run_expirations = Counter("lorafleet_proxy_run_expirations", "Runs expired after RUN_LEASE_S without a "
+                                       "request (adapters unloaded fleet-wide).", registry=r)
         self._paused_at: float | None = None
         self._request_counts: dict[tuple[str, int], Any] = {}  # children of `requests`, looked up once each
         for op in BROADCAST_OPS:

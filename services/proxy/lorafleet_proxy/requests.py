@@ -48,6 +48,13 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
+class RegisterRunRequest(BaseModel):
+    """POST /runs/<run>/register (lorafleet's own): the run's slot reservation and fair-share weight."""
+
+    max_staleness: int = Field(ge=0, le=1024, description="The trainer's MAX_STALENESS: it reserves this + 2 slots.")
+    weight: float = Field(1.0, gt=0, le=1e6, description="Fair-share weight: generation throughput in proportion.")
+
+
 class ResetPrefixCacheQuery(BaseModel):
     """Query of POST /reset_prefix_cache (vLLM 0.31's dev route)."""
 

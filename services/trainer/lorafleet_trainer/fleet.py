@@ -14,6 +14,7 @@ from typing import Any
 
 from lorafleet.adapters import policy_version
 from lorafleet.logs import log_event
+from lorafleet.runs import DEFAULT_RUN, fleet_url, url_run
 from lorafleet.settings import Settings
 from lorafleet.vllm_api import VLLMClient, VLLMError
 
@@ -85,6 +86,24 @@ async def probe_fleet(settings: Settings, client: VLLMClient) -> int:
     return replicas
 
 
+async def register_run(settings: Settings, client: VLLMClient) -> None:
+    """On a shared fleet (TRAINER_VLLM_URL ends in /runs/<run>), reserve this run's LoRA slots before TRL starts.
+
+    The proxy answers 409 naming its slot budget when MAX_STALENESS + 2 slots do not fit beside the other
+    runs'; the trainer refuses to start with that message rather than failing inside TRL's first sync.
+    """
+    run = url_run(settings.trainer_vllm_url)
+    if run == DEFAULT_RUN:
+        return
+    try:
+        answer = (await client.request("POST", "/register", json_body={"max_staleness": settings.max_staleness,
+                                                                  "weight": settings.run_weight})).json()
+    except VLLMError as exc:
+        raise PreflightError(f"refusing to start: the fleet did not admit run {run!r}: {exc.message}") from None
+    log_event(log, "run_registered", run=run, slots=answer.get("slots"), weight=settings.run_weight,
+              budget=answer.get("budget", {}).get("capacity"))
+
+
 async def preflight(settings: Settings, lora_config: Any, client: VLLMClient) -> None:
     """Refuse a fleet TRL would not sync adapters to, before anything changes it (the doctor runs after the sweep)."""
     await wait_healthy(client, settings.trainer_server_timeout_s)
@@ -122,11 +141,15 @@ async def doctor_preflight(settings: Settings, lora_config: Any) -> None:
     """Run the doctor's checklist against the fleet and refuse to train on any FAIL.
 
     The one exception is `ratio`: it judges the run's past (metrics.jsonl), so a FAIL there is
-    logged loudly but does not block resuming once the fleet itself passes.
+    logged loudly but does not block resuming once the fleet itself passes. A run on a shared fleet checks
+    the fleet itself (the proxy's own URL), and probes it only while no other run trains: the probe
+    pauses every replica, which would stall the other runs.
     """
     from lorafleet.commands.doctor import Status, failed, render_table, run_doctor
 
-    results = await run_doctor(settings, settings.trainer_vllm_url, peft_config=lora_config)
+    url = settings.trainer_vllm_url
+    shared = url_run(url) != DEFAULT_RUN
+    results = await run_doctor(settings, fleet_url(url), probe=None if shared else True, peft_config=lora_config)
     blocking = [result for result in failed(results) if result.name != "ratio"]
     for result in results:
         if result.status is not Status.PASS:
@@ -144,8 +167,11 @@ async def fleet_size(settings: Settings) -> int:
 
 
 async def prepare_fleet(settings: Settings, lora_config: Any) -> None:
-    """preflight, sweep_policies, then the doctor's whole checklist, against TRAINER_VLLM_URL."""
+    """register_run (shared fleets), preflight, sweep_policies, then the doctor's whole checklist, against
+    TRAINER_VLLM_URL."""
     async with VLLMClient(settings.trainer_vllm_url) as client:
+        await wait_healthy(client, settings.trainer_server_timeout_s)
+        await register_run(settings, client)
         await preflight(settings, lora_config, client)
         await sweep_policies(client)
     await doctor_preflight(settings, lora_config)

@@ -1,7 +1,8 @@
 """Build the `vllm serve` command and environment of one replica from the shared settings.
 
 Everything the fleet relies on is set here and only here: runtime LoRA updating and dev mode on
-(the proxy loads adapters and pauses replicas), --max-loras = max_staleness + 2 and the rounded
+(the proxy loads adapters and pauses replicas), --max-loras = FLEET_MAX_RUNS x (max_staleness + 2), the
+proxy's slot budget for the runs sharing the fleet, and the rounded
 --max-lora-rank (TRL refuses fewer slots, see trl-async-grpo.md section 4), processed logprobs
 (the behaviour policy's logprobs TRL uses as PPO denominator) and vLLM's own generation config.
 With PROXY_UPSTREAM_TOKEN set, vLLM gets it as its API key through VLLM_API_KEY (not `--api-key`,

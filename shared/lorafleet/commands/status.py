@@ -71,6 +71,27 @@ def fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def render_runs(fleet: dict[str, Any]) -> list[str]:
+    """The runs sharing the fleet (none on a single-run fleet): slots, adapters, tokens, share, pause, lease."""
+    runs = fleet.get("runs", [])
+    if not any(row.get("run") != "default" for row in runs):
+        return []
+    slots = fleet.get("slots", {})
+    lines = ["", f"runs: slot budget {slots.get('capacity', '?')} (--max-loras), "
+             f"reserved {slots.get('reserved', '?')}, unreclaimed {len(slots.get('unreclaimed', []))}",
+             f"{'RUN':<16} {'SLOTS':>5} {'WEIGHT':>6} {'INFLIGHT':>8} {'TOKENS':>10} {'SHARE':>6}  {'PAUSED':<6} "
+             f"{'LEASE':>6}  ADAPTERS"]
+    for row in runs:
+        lease = row.get("lease_left_s")
+        lines.append(
+            f"{row.get('run', '?'):<16} {row.get('slots', 0):>5} {row.get('weight', 1.0):>6g} "
+            f"{row.get('inflight', 0):>8} {row.get('generated_tokens', 0):>10} "
+            f"{_pct(round(1000 * row.get('share', 0)), 1000):>6}  "
+            f"{row.get('paused') or '-':<6} {'-' if lease is None else f'{lease:.0f}s':>6}  "
+            f"{adapter_span(row.get('adapters', []))}")
+    return lines
+
+
 def render_status(fleet: dict[str, Any], url: str, metrics: list[dict[str, Any]] | None = None) -> str:
     replicas = fleet.get("replicas", [])
     ready = sum(1 for r in replicas if r.get("state") == "ready")
@@ -90,6 +111,7 @@ def render_status(fleet: dict[str, Any], url: str, metrics: list[dict[str, Any]]
             lines.append(f"{'':<32} last error: {replica['last_error']}")
     ledger = fleet.get("ledger", [])
     lines += ["", f"ledger: {adapter_span([entry['name'] for entry in ledger])}"]
+    lines += render_runs(fleet)
     routed = int(router.get("routed", 0))
     lines.append(
         f"router: routed {routed}  affinity {_pct(router.get('affinity', 0), routed)}  "

@@ -15,6 +15,7 @@ from lorafleet_trainer.fleet import (
     preflight,
     probe_fleet,
     ready_replicas,
+    register_run,
     sweep_policies,
 )
 from peft import LoraConfig
@@ -55,8 +56,8 @@ def test_what_cannot_serve_adapter_only_sync_is_refused_with_trls_reason(config,
     assert message in str(refused.value)
 
 
-def _client(handler) -> VLLMClient:
-    return VLLMClient("http://fleet", client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+def _client(handler, url: str = "http://fleet") -> VLLMClient:
+    return VLLMClient(url, client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
 
 
 def test_ready_replicas_counts_only_ready_ones():
@@ -137,3 +138,27 @@ async def test_sweep_stops_on_a_real_failure():
 
     with pytest.raises(Exception, match="502"):
         await sweep_policies(_client(handler))
+
+
+async def test_a_trainer_under_a_run_prefix_reserves_its_slots_and_the_default_run_asks_nothing():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, json.loads(request.content)))
+        return httpx.Response(200, json={"run": "b", "slots": 3, "weight": 2.0, "budget": {"capacity": 6}})
+
+    url = "http://proxy:8000/runs/b"
+    await register_run(load_settings(trainer_vllm_url=url, max_staleness=1, run_weight=2.0), _client(handler, url))
+    assert seen == [("/runs/b/register", {"max_staleness": 1, "weight": 2.0})]
+    await register_run(load_settings(trainer_vllm_url="http://proxy:8000"), _client(handler))
+    assert len(seen) == 1
+
+
+async def test_a_run_the_budget_refuses_stops_the_trainer_with_the_proxys_reason():
+    def handler(request: httpx.Request) -> httpx.Response:
+        message = "run 'b' does not fit the fleet's slot budget: it needs 6 LoRA slot(s)"
+        return httpx.Response(409, json=error_body(message, "SlotBudgetExceeded", 409))
+
+    url = "http://proxy:8000/runs/b"
+    with pytest.raises(PreflightError, match="did not admit run 'b': run 'b' does not fit the fleet's slot budget"):
+        await register_run(load_settings(trainer_vllm_url=url), _client(handler, url))

@@ -236,9 +236,12 @@ def _shared_paths(where: str, adapters: dict[str, str]) -> list[str]:
 
 
 def check_slots(snapshot: Snapshot, settings: Settings) -> CheckResult:
-    """6. --max-loras >= max_staleness + 2 on every replica."""
+    """6. --max-loras >= the slot budget, FLEET_MAX_RUNS x (max_staleness + 2), on every replica."""
     name = "lora_slots"
-    need = settings.max_staleness + 2
+    need = settings.max_loras
+    budget = f"MAX_STALENESS={settings.max_staleness} + 2"
+    if settings.fleet_max_runs > 1:
+        budget = f"FLEET_MAX_RUNS={settings.fleet_max_runs} x ({budget})"
     with_lora = _with_lora(snapshot)
     if not with_lora:
         return _no_lora_skip(name, snapshot)
@@ -246,16 +249,15 @@ def check_slots(snapshot: Snapshot, settings: Settings) -> CheckResult:
     if few:
         per = ", ".join(f"{r.url} has --max-loras {r.info.lora.max_loras}" for r in few  # type: ignore[union-attr]
                         if r.info is not None)
-        return CheckResult(name, Status.FAIL, f"too few LoRA slots: {per}; MAX_STALENESS={settings.max_staleness} "
-                           f"needs max_staleness + 2 = {need} (vLLM silently evicts an in-flight version otherwise)",
+        return CheckResult(name, Status.FAIL, f"too few LoRA slots: {per}; the slot budget {budget} needs {need} "
+                           "(vLLM silently evicts an in-flight version otherwise)",
                            f"restart those replicas with --max-loras {need} (lorafleet-replica derives it from "
-                           f"MAX_STALENESS={settings.max_staleness}: give every service the same .env), or lower "
-                           "MAX_STALENESS")
+                           f"{budget}: give every service the same .env), or lower MAX_STALENESS")
     slots = sorted({r.info.lora.max_loras for r in with_lora if r.info and r.info.lora})
     status = Status.WARN if snapshot.unreachable() else Status.PASS
-    return CheckResult(name, status, f"--max-loras {'/'.join(map(str, slots))} >= {need} (MAX_STALENESS="
-                       f"{settings.max_staleness} + 2) on {len(with_lora)} replica(s).{_not_checked(snapshot)}"
-                       .rstrip("."), "see lora_enabled" if status is Status.WARN else "")
+    return CheckResult(name, status, f"--max-loras {'/'.join(map(str, slots))} >= {need} ({budget}) on "
+                       f"{len(with_lora)} replica(s).{_not_checked(snapshot)}".rstrip("."),
+                       "see lora_enabled" if status is Status.WARN else "")
 
 
 def check_versions_kept(snapshot: Snapshot, settings: Settings) -> CheckResult:

@@ -1,0 +1,60 @@
+"""Run identity on a shared fleet: run names, the per-run URL prefix, and fleet-unique adapter names.
+
+Several trainers share one proxy and its replicas; each is a *run*. A trainer reaches the proxy as run
+`<run>` through the URL prefix `/runs/<run>` (TRAINER_VLLM_URL=http://proxy:8000/runs/b), which TRL's
+client keeps in front of every route it calls. A trainer without the prefix is the default run, the
+single-run fleet as it always was. Run `b`'s adapter `trl-policy-v3` is `b--trl-policy-v3` on the
+replicas (`qualify`); the default run's names are not qualified.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit
+
+DEFAULT_RUN = "default"  # a trainer without a run identity; its adapter names are not qualified
+RUN_SEPARATOR = "--"
+RUN_URL_PREFIX = "/runs/"
+# A run's name: letters and digits in groups joined by one '.', '_' or '-' (never "--", the separator), at most
+# 32 characters, so `<run>--<name>` splits at its first "--" and fits vLLM's adapter names.
+RUN_PATTERN = re.compile(r"^(?=.{1,32}$)[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*$")
+
+
+class RunNameError(ValueError):
+    """A run name does not match RUN_PATTERN."""
+
+
+def check_run_name(run: object) -> str:
+    if not isinstance(run, str) or not RUN_PATTERN.fullmatch(run):
+        raise RunNameError(f"invalid run name {run!r}: 1-32 letters and digits in groups joined by one '.', '_' or "
+                           f"'-' (never {RUN_SEPARATOR!r})")
+    return run
+
+
+def qualify(run: str, name: str) -> str:
+    """The fleet-unique name of run `run`'s adapter `name` (the name replicas know it by)."""
+    return name if run == DEFAULT_RUN else f"{run}{RUN_SEPARATOR}{name}"
+
+
+def run_of(qualified: str) -> tuple[str, str]:
+    """(run, the run's own name) of a fleet-unique adapter name; names without the separator are the default run's."""
+    run, separator, name = qualified.partition(RUN_SEPARATOR)
+    if not separator or run == DEFAULT_RUN or not RUN_PATTERN.fullmatch(run) or not name:
+        return DEFAULT_RUN, qualified
+    return run, name
+
+
+def fleet_url(url: str) -> str:
+    """The proxy's own base URL behind a run's URL (`http://proxy:8000/runs/b` -> `http://proxy:8000`)."""
+    base = url.rstrip("/")
+    if url_run(base) == DEFAULT_RUN:
+        return base
+    return base[: base.rindex(RUN_URL_PREFIX)]
+
+
+def url_run(url: str) -> str:
+    """The run a base URL speaks for: `<run>` of `http://proxy:8000/runs/<run>`, else the default run."""
+    path = urlsplit(url).path.rstrip("/")
+    if not path.startswith(RUN_URL_PREFIX):
+        return DEFAULT_RUN
+    return check_run_name(path[len(RUN_URL_PREFIX):])
