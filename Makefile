@@ -36,7 +36,7 @@ STAMP := $(VENV)/.setup-stamp
 SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pyproject.toml services/proxy/pyproject.toml \
                 services/vllm/pyproject.toml services/trainer/pyproject.toml tools/setup_venv.sh tools/vllm_cpu_fixup.sh
 
-.PHONY: help engine-check build setup unit integration test lint bench bench-attention bench-trainer demo status doctor up down scale logs ps test-stack test-gpu soak fuzz bench-sync
+.PHONY: help engine-check build setup unit integration test lint bench bench-attention bench-trainer bench-launcher demo status doctor up down scale logs ps test-stack test-gpu soak fuzz bench-sync
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}'
@@ -85,6 +85,9 @@ bench-attention: ## GPU: training attention kernels (pure PyTorch vs torch's bui
 # The machine's own python3 with CUDA torch (the CPU venv's torch has no CUDA); TRL, datasets and PEFT must be installed.
 bench-trainer: ## GPU: the trainer's step at the published run's shape (stand-in generation) -> results/bench-trainer.json
 	PYTHONPATH=shared:services/trainer:$$PYTHONPATH $(or $(GPU_PYTHON),python3) bench/trainer_bench.py --out results/bench-trainer.json
+
+bench-launcher: ## GPU: lorafleet-train as one launched FSDP2 rank vs one plain process (stand-in generation) -> results/bench-launcher.json
+	PYTHONPATH=shared:services/trainer:$$PYTHONPATH $(or $(GPU_PYTHON),python3) bench/launcher_bench.py --resume --out results/bench-launcher.json
 soak: setup ## Churn soak of the proxy (replicas killed, adapters published) against fake replicas; writes results/soak.json
 	@# The routing table capped at 20,000 blocks (default 200,000) so that it fills, and evicts, within the soak:
 	@# RSS must then stay flat.

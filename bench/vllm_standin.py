@@ -2,7 +2,8 @@
 
 It speaks the routes TRL 1.16's AsyncGRPOTrainer and its rollout worker call, with vLLM's shapes:
 `/health`, `/v1/models`, `/server_info?config_format=json` (LoRA enabled, data-parallel size 1), `/pause`,
-`/resume`, `/v1/load_lora_adapter` (the adapter directory must hold PEFT's files; a name already loaded is a 400,
+`/resume`, the lorafleet proxy's `/fleet` (this one replica, so lorafleet-train's doctor passes),
+`/v1/load_lora_adapter` (the adapter directory must hold PEFT's files; a name already loaded is a 400,
 as in vLLM), `/v1/unload_lora_adapter`, and `/v1/completions` with `return_token_ids` and `logprobs`: random
 token ids of the tokenizer's vocabulary, at lengths drawn like the published run's (`trainer_shape.Lengths`),
 ending in EOS unless they hit `max_tokens`, each with the log-probability a randomly initialised model gives
@@ -21,6 +22,7 @@ import math
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from trainer_shape import PUBLISHED_LENGTHS, TINY_LENGTHS, Lengths
@@ -52,6 +54,7 @@ class StandIn:
             web.post("/pause", self.pause), web.post("/resume", self.resume), web.get("/is_paused", self.is_paused),
             web.post("/v1/load_lora_adapter", self.load), web.post("/v1/unload_lora_adapter", self.unload),
             web.post("/v1/completions", self.complete), web.get("/standin/stats", self.stats),
+            web.get("/fleet", self.fleet),
         ])
         return app
 
@@ -65,12 +68,26 @@ class StandIn:
                    "max_model_len": self.max_model_len} for name, path in self.adapters.items()]
         return web.json_response({"object": "list", "data": cards})
 
-    async def info(self, _: web.Request) -> web.Response:
-        return web.json_response({"vllm_config": {
+    def server_info(self) -> dict[str, Any]:
+        return {"vllm_config": {
             "model_config": {"model": self.model, "max_model_len": self.max_model_len, "dtype": "torch.bfloat16"},
             "lora_config": {"max_lora_rank": self.max_lora_rank, "max_loras": self.max_loras},
             "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
-        }})
+        }}
+
+    async def info(self, _: web.Request) -> web.Response:
+        return web.json_response(self.server_info())
+
+    async def fleet(self, request: web.Request) -> web.Response:
+        """The lorafleet proxy's GET /fleet for a fleet of this one replica (lorafleet-train's doctor reads it)."""
+        own_url = f"{request.scheme}://{request.host}"
+        replica = {"url": own_url, "state": "ready", "inflight": 0, "routed": 0, "adapters": dict(self.adapters),
+                   "last_error": None, "generates": True, "server_info": self.server_info()}
+        return web.json_response({
+            "replicas": [replica], "ledger": [{"name": n, "path": p, "fingerprint": None}
+                                              for n, p in self.adapters.items()],
+            "paused": False, "ledger_rebuilding": False, "loops_alive": True, "min_ready": 1, "sync_pause": None,
+        })
 
     async def pause(self, _: web.Request) -> web.Response:
         self.paused = True

@@ -129,3 +129,34 @@ def test_profile_buckets(event, bucket):
 def test_the_readme_table_is_printed_from_the_kept_result():
     report = json.loads((ROOT / "docs" / "bench-trainer.json").read_text())
     assert table(report) in (ROOT / "README.md").read_text()
+
+
+async def _fleet_view() -> dict:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    standin = StandIn(model="base", token_ids=100, eos=0, model_vocab=151936, max_model_len=4096, max_lora_rank=1,
+                      max_loras=6, lengths=PUBLISHED_LENGTHS)
+    async with TestClient(TestServer(standin.app())) as client:
+        response = await client.get("/fleet")
+        assert response.status == 200
+        return {"fleet": await response.json(), "host": f"http://{client.host}:{client.port}"}
+
+
+def test_the_standin_describes_itself_as_a_one_replica_fleet_the_doctor_can_read():
+    from lorafleet.commands.doctor.checks import check_fleet
+    from lorafleet.commands.doctor.model import ReplicaView, Snapshot, Status
+
+    seen = asyncio.run(_fleet_view())
+    (replica,) = seen["fleet"]["replicas"]
+    assert replica["url"] == seen["host"] and replica["state"] == "ready" and replica["generates"] is True
+    view = ReplicaView(replica["url"], replica["state"], replica["last_error"], proxy_generates=replica["generates"])
+    assert check_fleet(Snapshot(fleet_url=seen["host"], replicas=[view])).status is Status.PASS
+
+
+def test_the_launcher_table_is_printed_from_the_kept_result():
+    from launcher_bench import table
+
+    kept = json.loads((ROOT / "docs" / "bench-launcher.json").read_text())
+    printed = table(kept)
+    assert "world_size=1 sharding=fsdp2" in printed and kept["gpu"] in printed
+    assert "2-GPU comparison has not been run" in printed
