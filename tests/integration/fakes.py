@@ -48,6 +48,7 @@ from lorafleet.processes import free_port
 from lorafleet.vllm_api import error_body
 from lorafleet_proxy.app import BearerAuth, ProxyApp
 from lorafleet_proxy.server_protocol import CoalescingHttpToolsProtocol
+from lorafleet_proxy.sync import WARM_UP_PROMPT
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
@@ -136,7 +137,8 @@ class FakeReplica:
     paused: str | None = None
     calls: list[tuple[str, Any]] = field(default_factory=list)  # (path, payload) of every state-changing call
     received: list[Received] = field(default_factory=list)  # every request, as it arrived (see `served`)
-    completions: int = 0
+    completions: int = 0  # generation traffic (the proxy's one-token warm-ups are counted in warm_ups)
+    warm_ups: int = 0
     url: str = ""
     cached_blocks: set[bytes] = field(default_factory=set)  # a prefix cache that never evicts (token prompts)
     prompt_blocks: int = 0
@@ -247,7 +249,10 @@ class FakeReplica:
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             body = await request.json()
-            self.completions += 1
+            if body.get("prompt") == WARM_UP_PROMPT and body.get("max_tokens") == 1:
+                self.warm_ups += 1  # the proxy's admission check, not traffic: `completions` counts traffic
+            else:
+                self.completions += 1
             model = body.get("model")
             if not isinstance(model, str | None):  # vLLM's CompletionRequest: model is str | None
                 return vllm_error(400, "1 validation error: body.model: Input should be a valid string",
