@@ -164,7 +164,8 @@ def start_proxy(adapter_root: Path, log_dir: Path) -> Iterator[Callable[..., Ser
                "LOG_LEVEL": "INFO", **{key: str(value) for key, value in overrides.items()}}
         proxy = proxy_service(f"proxy-{number}", env, log_dir, port=port).start()
         started.append(proxy)
-        wait_healthy([proxy], timeout_s=60)
+        # Healthy = PROXY_MIN_READY replicas ready, each after its warm-up token (a cold replica compiles first).
+        wait_healthy([proxy], timeout_s=240)
         return proxy
 
     yield start

@@ -51,6 +51,10 @@ log = logging.getLogger("lorafleet.proxy.sync")
 LOAD_RETRY_FIRST_S = 0.05
 LOAD_RETRY_MAX_S = 1.0
 WARM_UP_PROMPT = "Hello"
+# The warm-up's own bound, apart from PROXY_LORA_LOAD_TIMEOUT_S (a deadline for adapter loads): vLLM's first request
+# on CPU compiles for tens of seconds, minutes on a busy 2-core box. A hung replica is ejected by the health loop,
+# which cancels its sync, long before this.
+WARM_UP_TIMEOUT_S = 600.0
 
 
 class CannotGenerate(VLLMError):
@@ -61,7 +65,7 @@ class CannotGenerate(VLLMError):
 
 
 async def warm_up(replica: Replica, deadline: float) -> None:
-    """One greedy token of the base model, within the sync's deadline; raises CannotGenerate when it fails.
+    """One greedy token of the base model before `deadline`; raises CannotGenerate when it fails.
 
     A paused replica queues new requests until it is resumed, so it is not asked: it was admitted (and so
     generated) before the pause, and the sync applies the fleet's pause state next.
@@ -127,7 +131,13 @@ async def sync(fleet: SyncFleet, replica: Replica) -> None:
     replica.state = State.SYNCING
     fleet.router.forget_replica(replica.url)
     timeout = fleet.settings.proxy_lora_load_timeout_s
+    stage, limit = "warm-up", WARM_UP_TIMEOUT_S
     try:
+        async with asyncio.timeout(limit):  # its own bound: a first request compiles on CPU, loads do not
+            replica.info = await replica.client.server_info()
+            fleet.adopt_block_size(replica)
+            await warm_up(replica, time.monotonic() + limit)
+        stage, limit = "sync", timeout
         async with asyncio.timeout(timeout):
             started = time.monotonic()
             await _sync(fleet, replica, started + timeout)
@@ -136,7 +146,7 @@ async def sync(fleet: SyncFleet, replica: Replica) -> None:
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # any failure of one replica's sync stays with that replica
-        reason = f"sync did not finish within {timeout:.0f}s" if isinstance(exc, TimeoutError) else f"sync: {exc}"
+        reason = f"{stage} did not finish within {limit:.0f}s" if isinstance(exc, TimeoutError) else f"sync: {exc}"
         if not isinstance(exc, VLLMError | TimeoutError):
             reason = f"sync: malformed reply: {type(exc).__name__}: {exc}"
             fleet.metrics.loop_errors.labels("sync").inc()
@@ -149,9 +159,6 @@ async def sync(fleet: SyncFleet, replica: Replica) -> None:
 
 
 async def _sync(fleet: SyncFleet, replica: Replica, deadline: float) -> None:
-    replica.info = await replica.client.server_info()
-    fleet.adopt_block_size(replica)
-    await warm_up(replica, deadline)
     while True:
         listed = await replica.client.loaded_adapters()
         replica.observe(listed)
