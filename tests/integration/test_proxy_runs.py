@@ -191,6 +191,22 @@ async def test_a_run_pause_survives_a_proxy_restart(fleet: Fleet) -> None:
     assert (await fleet.complete("a", "trl-policy-v1")).status_code == 200
 
 
+async def test_a_run_whose_registration_was_lost_can_still_pause(fleet: Fleet) -> None:
+    """A corrupt ledger is rebuilt from the replicas: runs keep their adapters but not their registrations; a pause
+    of such a run registers it with the proxy's MAX_STALENESS (found by the state machine: it was a 500)."""
+    assert (await fleet.load("b", "trl-policy-v1")).status_code == 200
+    await fleet.stop()
+    ledger_path(fleet.root).write_text('{"version": 3, "adapters": [{"na')
+    await fleet.start()
+    assert await fleet.models("b") == ["trl-policy-v1"]
+    pause = await fleet.http.post(fleet.url("b", "/pause"), params={"mode": "abort"})
+    assert pause.status_code == 200, pause.text
+    assert (await fleet.http.get(fleet.url("b", "/is_paused"))).json() == {"is_paused": True}
+    assert all(fake.paused is None for fake in fleet.fakes), "a run's pause reached a replica"
+    assert (await fleet.http.post(fleet.url("b", "/resume"))).status_code == 200
+    assert (await fleet.complete("b", "trl-policy-v1")).status_code == 200
+
+
 @pytest.mark.parametrize("fleet", [{"run_lease_s": 0.6}], indirect=True)
 async def test_an_idle_run_expires_and_its_adapters_leave_every_replica(fleet: Fleet) -> None:
     for run in ("a", "b"):

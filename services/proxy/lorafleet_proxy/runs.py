@@ -286,7 +286,9 @@ class Runs:
             refusal = self.admit(state, run)
             if refusal is not None:
                 return refusal
-            state.runs[run] = RunRecord(state.runs[run].max_staleness, state.runs[run].weight, mode)
+            # a run holding adapters may have no registration (a ledger rebuilt from the replicas): the proxy's own
+            current = state.runs.get(run) or RunRecord(self.settings.max_staleness)
+            state.runs[run] = RunRecord(current.max_staleness, current.weight, mode)
             if (failed := self._commit(state)) is not None:
                 return failed
         live = self.get(run)
