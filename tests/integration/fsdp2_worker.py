@@ -1,5 +1,6 @@
 """One rank of test_fsdp2_wiring.py (run by torch.distributed.run on gloo): accelerate's FSDP2 preparation of the
-tiny PEFT model with the plugin arguments lorafleet's config produces, forced past accelerate's CPU gate.
+tiny PEFT model with the plugin arguments lorafleet's config produces, forced past accelerate's CPU gate; in save
+mode also the trainer's final-adapter export of the sharded adapter.
 
 argv: model_dir checkpoint_dir plugin_args_json mode(save|load) results_dir; each rank writes rank<N>.json there.
 """
@@ -9,12 +10,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import FullyShardedDataParallelPlugin, load_fsdp_model, save_fsdp_model
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from lorafleet_trainer.run_state import export_final_adapter
 from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
@@ -35,7 +39,7 @@ def main() -> None:
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     with torch.no_grad():
         gap = (model(input_ids=tokens).logits - unsharded).abs().max().item()
-    lora_b = next(p for n, p in model.named_parameters() if "lora_B" in n)
+    lora_b_name, lora_b = next((n, p) for n, p in model.named_parameters() if "lora_B" in n)
     result = {"rank": accelerator.process_index, "world": accelerator.num_processes, "still_tied": embed is head,
               "sharded": isinstance(lora_b, DTensor), "logit_gap": gap}
     if mode == "save":
@@ -46,6 +50,13 @@ def main() -> None:
         if accelerator.is_main_process:
             torch.save(full, checkpoint / "lora_b.pt")
         save_fsdp_model(plugin, accelerator, model, str(checkpoint))
+        # The trainer's final-adapter export, called on every rank as run_until_stopped does: rank 0 writes the
+        # gathered tensors, equal to the full ones.
+        final = export_final_adapter(SimpleNamespace(model=model, accelerator=accelerator), checkpoint.parent)
+        if accelerator.is_main_process:
+            saved = load_file(str(final / "adapter_model.safetensors"))
+            result["final_adapter_equal"] = torch.equal(saved[lora_b_name.replace(".default", "")], full.cpu())
+            result["final_adapter_tensors"] = len(saved)
     else:
         load_fsdp_model(plugin, accelerator, model, str(checkpoint))
         result["loaded_equal"] = torch.equal(lora_b.full_tensor(), torch.load(checkpoint / "lora_b.pt"))

@@ -5,7 +5,8 @@ this drives accelerate's own FSDP2 preparation (`fsdp2_prepare_model`) and check
 gloo, with exactly the plugin arguments `build_configs` hands accelerate for an FSDP2 plan. On the tiny model
 (tied embeddings, like Qwen2.5-Math) with a LoRA adapter: sharding changes no logit, the tied head stays tied,
 LoRA weights are DTensors that `full_tensor()` gathers, and a sharded checkpoint written by 2 ranks loads on 1
-and on 3 ranks with identical weights (torch's DCP reshards).
+and on 3 ranks with identical weights (torch's DCP reshards); the final-adapter export, called on every rank,
+writes the gathered adapter once (PEFT's save_pretrained on the sharded model failed on an H200).
 """
 
 from __future__ import annotations
@@ -46,9 +47,14 @@ def test_fsdp2_shards_the_tied_peft_model_and_its_checkpoint_reshards(tiny_model
     assert plugin_args["state_dict_type"] == "SHARDED_STATE_DICT"
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
-    for n, mode in ((2, "save"), (1, "load"), (3, "load")):
-        for row in _ranks(n, tiny_model, checkpoint, plugin_args, mode):
+    rows = {(mode, n): _ranks(n, tiny_model, checkpoint, plugin_args, mode)
+            for mode, n in (("save", 2), ("load", 1), ("load", 3))}
+    for (_, n), ranks in rows.items():
+        for row in ranks:
             assert row["world"] == n and row["sharded"] and row["still_tied"], row
             assert row["logit_gap"] < 1e-5, row
             assert row.get("loaded_equal", True), row
     assert any(entry.name.startswith("pytorch_model_fsdp") for entry in checkpoint.iterdir())
+    written = rows["save", 2][0]  # rank 0
+    assert written["final_adapter_equal"] and written["final_adapter_tensors"] > 0, written
+    assert sorted(p.name for p in tmp_path.iterdir() if "adapter" in p.name) == ["final-adapter"]  # nothing staged

@@ -200,13 +200,15 @@ def run_until_stopped(trainer: Any, lifecycle: RunLifecycle, resume_from: Path |
     except StoppedWhileWaiting:
         checkpoint_now(trainer, lifecycle)
     state, reason = trainer.state, lifecycle.reason
+    finished = reason is None or state.global_step >= state.max_steps
+    # Every rank takes part (gathering a sharded adapter is a collective), so every rank must agree to: a ceiling
+    # one rank reached (its clock, its disk) while another stops for OTHER_RANK exports on all of them.
+    final = None
+    if lifecycle.agree(finished or reason in CEILINGS):
+        final = export_final_adapter(trainer, Path(trainer.args.output_dir))
     if not trainer.accelerator.is_main_process:
         log_event(log, "rank_finished", rank=trainer.accelerator.process_index, step=state.global_step, reason=reason)
         return 0
-    finished = reason is None or state.global_step >= state.max_steps
-    final = None
-    if finished or reason in CEILINGS:
-        final = export_final_adapter(trainer.accelerator.unwrap_model(trainer.model), Path(trainer.args.output_dir))
     if finished:
         log_event(log, "finished", steps=state.global_step, model_version=trainer.model_version, adapter=final)
     else:

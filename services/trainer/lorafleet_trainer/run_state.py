@@ -130,18 +130,28 @@ class MetricsJsonl(TrainerCallback):
         log_event(log, "train_step", step=state.global_step, **shown)
 
 
-def export_final_adapter(model: Any, run_dir: Path) -> Path:
-    """Save the trained PEFT adapter to <run>/final-adapter, replacing an older one atomically."""
+def export_final_adapter(trainer: Any, run_dir: Path) -> Path | None:
+    """Save the trained adapter to <run>/final-adapter, replacing an older one whole; a collective: every rank calls it.
+
+    TRL's own adapter writer (the one every published version goes through) gathers FSDP2-sharded LoRA tensors with
+    `full_tensor()` on every rank and writes plain tensors on rank 0; PEFT's `save_pretrained` on the sharded model
+    would hand DTensors to safetensors and fail. Returns the folder on the main process, None on the others.
+    """
+    from trl.experimental.async_grpo.async_grpo_trainer import save_lora_adapter
+
+    accelerator = trainer.accelerator
+    model = accelerator.unwrap_model(trainer.model)
     target = run_dir / FINAL_ADAPTER
-    staging = run_dir / f".{FINAL_ADAPTER}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(str(staging), safe_serialization=True)
+    staged = run_dir / f".{FINAL_ADAPTER}.new"
+    save_lora_adapter(model, accelerator, model.active_adapters[0], str(staged))
+    if not accelerator.is_main_process:
+        return None
     if target.exists():
         old = run_dir / f".{FINAL_ADAPTER}.old"
         shutil.rmtree(old, ignore_errors=True)
         os.rename(target, old)
-        os.rename(staging, target)
+        os.rename(staged, target)
         shutil.rmtree(old, ignore_errors=True)
     else:
-        os.rename(staging, target)
+        os.rename(staged, target)
     return target

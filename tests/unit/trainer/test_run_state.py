@@ -62,25 +62,38 @@ def test_metrics_jsonl_appends_one_json_line_per_log_with_step(tmp_path):
     assert rows[1] == {"step": 4, "time": rows[1]["time"], "ratio": None, "kl": None}  # strict JSON, no NaN
 
 
-class _Model:
-    """Stands in for a PeftModel: save_pretrained writes the adapter files."""
+def _peft_trainer(model_dir, seed):
+    """A real PEFT model on the tiny model, as the trainer holds it: one rank, nothing sharded."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
 
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def save_pretrained(self, path: str, safe_serialization: bool = True) -> None:
-        from pathlib import Path
-
-        Path(path).mkdir(parents=True)
-        (Path(path) / "adapter_config.json").write_text(json.dumps({"marker": self.marker}))
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=1, lora_alpha=2, target_modules="all-linear", init_lora_weights=False))
+    accelerator = SimpleNamespace(is_main_process=True, device=torch.device("cpu"), unwrap_model=lambda m: m)
+    return SimpleNamespace(model=model, accelerator=accelerator)
 
 
 def test_final_adapter_is_exported_and_replaced_whole(tmp_path):
-    first = export_final_adapter(_Model("a"), tmp_path)
-    assert first == tmp_path / "final-adapter"
-    export_final_adapter(_Model("b"), tmp_path)
-    assert json.loads((first / "adapter_config.json").read_text()) == {"marker": "b"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["final-adapter"]  # no staging leftovers
+    from lorafleet.tiny import make_tiny_model
+    from safetensors.torch import load_file
+
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    run = tmp_path / "run"
+    run.mkdir()
+    first = export_final_adapter(_peft_trainer(model_dir, 1), run)
+    assert first == run / "final-adapter"
+    second = _peft_trainer(model_dir, 2)
+    export_final_adapter(second, run)
+    config = json.loads((first / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 1
+    saved = load_file(str(first / "adapter_model.safetensors"))
+    expected = {name: tensor for name, tensor in second.model.state_dict().items() if "lora_" in name}
+    assert len(saved) == len(expected) > 0
+    for name, tensor in expected.items():  # the second model's weights, whole: PEFT's names without ".default"
+        assert (saved[name.replace(".default", "")] == tensor).all(), name
+    assert sorted(p.name for p in run.iterdir()) == ["final-adapter"]  # no staging leftovers
 
 
 def test_pruning_keeps_the_newest_k_complete_checkpoints_by_step_number(tmp_path):
