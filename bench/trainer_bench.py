@@ -27,7 +27,6 @@ import platform
 import queue
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from lorafleet.processes import free_port  # noqa: E402
 from trainer_shape import QWEN25_MATH_1_5B, TINY, qwen2_config  # noqa: E402
 
 REFERENCE = {"fwd_bwd_s": 4.6, "step_s": 4.8, "mfu_fwd_bwd": 23.5, "source": "published reference deployment, run 5"}
@@ -112,12 +112,6 @@ def build_workload(work: Path, tiny: bool) -> dict[str, Any]:
                 out.write(json.dumps({"problem": problem, "solution": f"\\boxed{{{rng.randint(0, 999)}}}"}) + "\n")
     return {"model_dir": str(model_dir), "dataset": str(dataset), "token_ids": len(tokenizer),
             "eos": tokenizer.eos_token_id, "model_vocab": shape["vocab_size"], "shape": shape}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_standin(workload: dict[str, Any], tiny: bool) -> tuple[subprocess.Popen, str]:

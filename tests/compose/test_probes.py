@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from compose_helpers import REPO, RenderFn
+from lorafleet.processes import free_port
 
 
 class HealthServer:
@@ -75,13 +76,6 @@ def probe_env(service: str, port: int) -> dict[str, str]:
     if service == "proxy":
         return {"PROXY_PORT": str(port), "PROXY_FLEET_HOST": "127.0.0.1"}
     return {"REPLICA_PORT": str(port)}
-
-
-def free_port() -> int:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
-    port = server.server_address[1]
-    server.server_close()
-    return port
 
 
 @pytest.mark.parametrize("service", ["vllm", "vllm-cpu", "proxy", "trainer", "trainer-cpu"])

@@ -19,10 +19,11 @@ import json
 import os
 import re
 import secrets
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from lorafleet.processes import free_port
 
 Profile = Literal["gpu", "cpu"]
 
@@ -140,12 +141,6 @@ def cpu_settings() -> dict[str, str]:
     """The cpu profile's own defaults (tiny model and recipe, float32: replicas agree to ~1e-6), a run that lasts
     until the test stops it, and a checkpoint every few steps."""
     return {"MAX_STEPS": "1000", "SAVE_STEPS": "3"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def unique_project() -> str:

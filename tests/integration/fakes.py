@@ -35,6 +35,7 @@ import contextlib
 import hashlib
 import json
 import random
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -357,8 +358,17 @@ async def start_server(app: Any, port: int | None = None, lifespan: str = "on") 
     protocol = CoalescingHttpToolsProtocol if isinstance(app, ProxyApp | BearerAuth) else "auto"
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan,
                             timeout_graceful_shutdown=1, http=protocol)
+    # Bound here, not by uvicorn: a port that is taken raises OSError to the caller at once (uvicorn would
+    # sys.exit inside the loop's thread, and the caller would wait for a server that never comes).
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        raise
     server = _Server(config)
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():
             task.result()

@@ -207,22 +207,25 @@ async def test_a_run_whose_registration_was_lost_can_still_pause(fleet: Fleet) -
     assert (await fleet.complete("b", "trl-policy-v1")).status_code == 200
 
 
-@pytest.mark.parametrize("fleet", [{"run_lease_s": 0.6}], indirect=True)
+# A lease long enough that run b, which asks again between checks, never comes near it on a loaded machine (at
+# 0.6 s, b expired too while the test read /fleet and /metrics under load), short enough to keep the test quick.
+@pytest.mark.parametrize("fleet", [{"run_lease_s": 3.0}], indirect=True)
 async def test_an_idle_run_expires_and_its_adapters_leave_every_replica(fleet: Fleet) -> None:
     for run in ("a", "b"):
         assert (await fleet.load(run, "trl-policy-v1")).status_code == 200
         assert (await fleet.load(run, "trl-policy-v2")).status_code == 200
 
     async def a_expired() -> bool:
+        """Done once every replica lost a's adapters and the expiry was counted (after the unloads)."""
         assert (await fleet.complete("b", "trl-policy-v1")).status_code == 200  # b keeps its lease
-        return all(set(fake.adapters) == {"b--trl-policy-v1", "b--trl-policy-v2"} for fake in fleet.fakes)
+        unloaded = all(set(fake.adapters) == {"b--trl-policy-v1", "b--trl-policy-v2"} for fake in fleet.fakes)
+        metrics = (await fleet.http.get(fleet.url("default", "/metrics"))).text
+        return unloaded and "lorafleet_proxy_run_expirations_total 1.0" in metrics
 
-    await until(a_expired, "run a expired on every replica", timeout=10)
+    await until(a_expired, "run a expired on every replica and counted", timeout=30)
     view = (await fleet.http.get(fleet.url("default", "/fleet"))).json()
     assert [row["run"] for row in view["runs"] if row["slots"]] == ["b"]
     assert [e["name"] for e in view["ledger"]] == ["b--trl-policy-v1", "b--trl-policy-v2"]
-    metrics = (await fleet.http.get(fleet.url("default", "/metrics"))).text
-    assert "lorafleet_proxy_run_expirations_total 1.0" in metrics
     assert (await fleet.load("a", "trl-policy-v1")).status_code == 200  # a trainer that comes back republishes
 
 

@@ -152,8 +152,15 @@ def test_the_trainer_refuses_to_start_on_a_full_volume(tmp_path, monkeypatch):
 
 
 class FakeModel:
-    def save_pretrained(self, path: str, safe_serialization: bool = True) -> None:
-        Path(path).mkdir(parents=True)
+    """What TRL's adapter writer touches of a PeftModel (the real export is tested in test_run_state.py)."""
+
+    active_adapters = ("default",)
+
+    def state_dict(self) -> dict[str, object]:
+        return {}
+
+    def save_pretrained(self, path: str, **kwargs: object) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "adapter_config.json").write_text("{}")
 
 
