@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 DEFAULT_RUN = "default"  # a trainer without a run identity; its adapter names are not qualified
 RUN_SEPARATOR = "--"
 RUN_URL_PREFIX = "/runs/"
+BUDGET_ERROR = "SlotBudgetExceeded"  # the error type of the proxy's 409 for a run that does not fit the slot budget
 # A run's name: letters and digits in groups joined by one '.', '_' or '-' (never "--", the separator), at most
 # 32 characters, so `<run>--<name>` splits at its first "--" and fits vLLM's adapter names.
 RUN_PATTERN = re.compile(r"^(?=.{1,32}$)[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*$")

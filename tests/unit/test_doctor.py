@@ -97,6 +97,7 @@ class FakeFleet:
         self.generates: dict[str, bool | None] = dict.fromkeys(replicas, True)  # the proxy's warm-up verdict
         self.serves = list(replicas)  # replicas the proxy routes generations to (among the adapter's holders)
         self.routed = 0
+        self.budget_full = False  # runs sharing the fleet reserve every LoRA slot: the proxy refuses other loads
 
     def load(self, name: str, path: str, *, ledger: bool = True) -> None:
         for adapters in self.adapters.values():
@@ -205,6 +206,10 @@ class FakeFleet:
         if path == "/resume" and self.elided:
             self.elided = False
             return httpx.Response(200, json={"status": "resumed"})
+        if path == "/v1/load_lora_adapter" and self.budget_full:  # the proxy's own 409 (lorafleet_proxy.runs)
+            return _vllm_error(409, "run 'default' does not fit the fleet's slot budget: it needs 6 LoRA slot(s) "
+                               "(max_staleness + 2) and the fleet's slot budget is 12 (the replicas' --max-loras), of "
+                               "which b (6), a (6) hold 12.", "SlotBudgetExceeded")
         answers = {url: self.replica_call(url, request, path) for url in self.reach}
         failed = [answer for answer in answers.values() if answer.status_code >= 400]
         if path == "/v1/load_lora_adapter":
@@ -627,6 +632,17 @@ async def test_probe_passes_and_cleans_up(served_fleet, served):
     results = await _doctor(served_fleet, served)
     _one(results["adapter_root"], Status.PASS, "through the proxy", "all 2 replica(s)")
     _one(results["broadcasts"], Status.PASS, "load, unload, pause, resume")
+    _clean(served_fleet, served)
+
+
+async def test_a_slot_budget_held_by_the_runs_skips_the_probe_naming_why_and_changes_nothing(served_fleet, served):
+    """Two runs reserve every slot before either trains (their trainers' preflight): the probe has no slot. That is
+    said (SKIP, the proxy's reason, what to do), not a FAIL that would refuse both trainers; nothing is left."""
+    served_fleet.budget_full = True
+    results = await _doctor(served_fleet, served)
+    _one(results["adapter_root"], Status.SKIP, "probe not run", "no LoRA slot", "slot budget is 12", "PROBE=1")
+    _one(results["broadcasts"], Status.WARN, "pause, resume reached all 2", "load and unload were not observed")
+    assert not failed(list(results.values())), {r.name: r.reason for r in failed(list(results.values()))}
     _clean(served_fleet, served)
 
 

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from fastapi.responses import JSONResponse, Response
 from lorafleet.ledger_file import LedgerState, RunRecord
-from lorafleet.runs import DEFAULT_RUN, RUN_SEPARATOR, RUN_URL_PREFIX, check_run_name, run_of
+from lorafleet.runs import BUDGET_ERROR, DEFAULT_RUN, RUN_SEPARATOR, RUN_URL_PREFIX, check_run_name, run_of
 from lorafleet.settings import Settings
 
 from .broadcast import commit_state, error, ledger_failed, unload_from_ready
@@ -220,7 +220,7 @@ class Runs:
                    f"{self.settings.run_lease_s:.0f}), lower MAX_STALENESS, or raise FLEET_MAX_RUNS.")
         self.metrics.run_refusals.inc()
         log.warning("run refused run=%s needed=%d capacity=%s held=%s", run, needed, capacity, reserved)
-        return error(409, message, "SlotBudgetExceeded")
+        return error(409, message, BUDGET_ERROR)
 
     def admit(self, state: LedgerState, run: str, record: RunRecord | None = None) -> JSONResponse | None:
         """Admit `run` if its reservation fits beside the others' (registering `record` in `state`, to be committed);

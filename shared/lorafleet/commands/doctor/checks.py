@@ -381,7 +381,7 @@ def check_broadcasts(report: ProbeReport, snapshot: Snapshot) -> CheckResult:
                            "the proxy must broadcast to every replica: check its log for that replica (state, "
                            "last_error in GET /fleet); a replica it does not know gets no broadcasts")
     count = len(report.paused)
-    if not report.path or report.load_error is not None:
+    if not report.path or report.load_error is not None or report.skipped:
         why = report.skipped or "the probe load failed"
         return CheckResult(name, Status.WARN, f"pause, resume reached all {count} replica(s); {keep}; load and "
                            f"unload were not observed: {why}", "see adapter_root")

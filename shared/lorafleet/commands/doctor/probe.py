@@ -22,6 +22,7 @@ from lorafleet.commands.doctor.model import ProbeReport, Snapshot
 from lorafleet.commands.doctor.probe_adapter import base_model_config, publish_probe_adapter
 from lorafleet.commands.doctor.via_proxy import ProxiedReplica, generate_through_proxy
 from lorafleet.logs import log_event
+from lorafleet.runs import BUDGET_ERROR
 from lorafleet.settings import Settings
 from lorafleet.vllm_api import PauseMode, VLLMClient, VLLMError
 
@@ -117,7 +118,7 @@ async def _probe_adapter(settings: Settings, snapshot: Snapshot, report: ProbeRe
     try:
         await _probe_load_and_generate(snapshot, report, clients, proxy)
     finally:
-        still = await _probe_unload(report, clients, proxy)
+        still = [] if report.skipped else await _probe_unload(report, clients, proxy)  # skipped: never loaded
         if still:
             # Deleting files of a registered adapter kills vLLM's engine when it re-reads them: keep them.
             log_event(log, "probe_kept", logging.WARNING, path=report.path, replicas=",".join(still))
@@ -139,6 +140,13 @@ async def _probe_load_and_generate(snapshot: Snapshot, report: ProbeReport, clie
             if any(report.direct_load_error.values()):
                 report.load_error = "direct load failed on some replicas"
     except VLLMError as exc:
+        if exc.status == 409 and exc.error_type == BUDGET_ERROR:
+            # Several runs share the fleet and their reservations fill every LoRA slot: the probe has none to take
+            # (their own publishes prove the store through the same path). Not a fault of the fleet: said, not failed.
+            report.skipped = (f"probe not run: the proxy has no LoRA slot for it ({exc.message}); run the doctor "
+                              "with --probe (make doctor PROBE=1) once a run has finished or expired")
+            log_event(log, "probe_no_slot", logging.WARNING, name=report.name, error=exc)
+            return
         report.load_error = str(exc)
         log_event(log, "probe_load_failed", logging.WARNING, name=report.name, error=exc)
         # Which replica cannot read it? Ask each one directly (unloaded again in _probe_unload).
