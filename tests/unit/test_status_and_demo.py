@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 from lorafleet.commands import demo
-from lorafleet.commands.demo import build_report, progress_line, summary, sync_lines, sync_report
+from lorafleet.commands.demo import (
+    build_report,
+    progress_line,
+    run_names,
+    run_url,
+    shared_report,
+    summary,
+    sync_lines,
+    sync_report,
+)
 from lorafleet.commands.status import adapter_span, read_metrics, render_status
 
 FLEET = {
@@ -33,6 +42,8 @@ def test_adapter_span_compacts_policy_versions():
     assert adapter_span(["trl-policy-v9", "trl-policy-v5", "trl-policy-v7"]) == "trl-policy-v5 … v9 (3)"
     assert adapter_span(["probe"]) == "probe (1)"
     assert adapter_span([]) == "-"
+    shared = ["b--trl-policy-v6", "a--trl-policy-v3", "trl-policy-v2", "a--trl-policy-v4", "b--trl-policy-v5"]
+    assert adapter_span(shared) == "trl-policy-v2, a--trl-policy-v3 … v4, b--trl-policy-v5 … v6 (5)"
 
 
 def test_status_shows_states_errors_routing_shares_and_latest_training_values():
@@ -80,6 +91,27 @@ def test_report_is_computed_from_the_run():
     text = summary(report)
     assert "first 3 steps 0.067 -> last 3 steps 0.533" in text
     assert "prefix cache hit rate (replicas' /metrics): 50.0%" in text
+
+
+def test_several_runs_report_each_runs_training_and_its_share_from_the_proxys_counts():
+    fleet = {**FLEET, "runs": [{"run": "a", "weight": 1.0, "generated_tokens": 3000, "share": 0.6},
+                               {"run": "b", "weight": 1.0, "generated_tokens": 2000, "share": 0.4}]}
+    metrics = {"a": _metrics([0.0, 0.1, 0.2, 0.4, 0.5, 0.6]), "b": _metrics([0.1, 0.1, 0.1, 0.3, 0.3, 0.3])}
+    report = shared_report(metrics, fleet, {"replicas": {}, "hit_rate": 0.5}, wall_s=42.0)
+    assert set(report["runs"]) == {"a", "b"} and "reward" not in report  # training numbers live per run
+    assert report["runs"]["a"]["reward"]["first_steps_mean"] == pytest.approx(0.05)
+    assert report["runs"]["b"]["reward"]["last_steps_mean"] == pytest.approx(0.3)
+    assert report["runs"]["a"]["token_share"] == 0.6 and report["runs"]["b"]["generated_tokens"] == 2000
+    text = summary(report)
+    assert "2 runs sharing the fleet" in text and "run b: steps 6, weight 1, 2000 tokens generated, share 40.0%" in text
+    assert "  reward: first 2 steps 0.100 -> last 2 steps 0.300" in text
+
+
+def test_demo_runs_are_the_default_run_alone_or_named_runs_under_their_prefix():
+    assert run_names(1) == ["demo"] and run_url("http://p:1", "demo", 1) == "http://p:1"
+    assert run_names(3) == ["a", "b", "c"] and run_url("http://p:1", "b", 3) == "http://p:1/runs/b"
+    with pytest.raises(ValueError, match="--runs"):
+        run_names(0)
 
 
 def test_progress_line_names_step_replicas_and_routing():

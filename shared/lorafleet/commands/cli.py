@@ -59,7 +59,7 @@ def _demo(args: argparse.Namespace) -> int:
     from lorafleet.commands.demo import DemoOptions
     from lorafleet.commands.demo import main as demo_main
 
-    return demo_main(DemoOptions(out=args.out, replicas=args.replicas, steps=args.steps))
+    return demo_main(DemoOptions(out=args.out, replicas=args.replicas, steps=args.steps, runs=args.runs))
 
 
 def _settings_table(args: argparse.Namespace) -> int:
@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("results/demo"))
     demo.add_argument("--replicas", type=int, default=2)
     demo.add_argument("--steps", type=int, default=60)
+    demo.add_argument("--runs", type=int, default=1, choices=range(1, 27), metavar="N",
+                      help="training runs sharing the replicas at once (default 1; N > 1: runs a, b, ...)")
     demo.set_defaults(func=_demo)
 
     table = commands.add_parser("settings-table", help="print the README's settings table (Markdown) from the schema")

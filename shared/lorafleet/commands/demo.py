@@ -4,6 +4,11 @@ Builds the offline tiny model, starts CPU replicas through `lorafleet-replica`, 
 of them and the real trainer on the `tiny` recipe; shows live progress; then writes a report
 (JSON and a PNG plot) whose every number comes from this run: the trainer's metrics.jsonl, the
 proxy's /fleet and the replicas' own /metrics. Everything started is stopped on exit, Ctrl-C too.
+
+`--runs N` (N > 1) trains N runs at once on the same replicas, each its own trainer under its run
+prefix (`/runs/<run>`, runs a, b, ...), the replicas sized for them and for the doctor's probe
+(`FLEET_MAX_RUNS=N+1`): the report has each run's reward, ratio and syncs, its share of the generated
+tokens (the proxy's fair share), and the doctor's checklist per run.
 """
 
 from __future__ import annotations
@@ -32,7 +37,23 @@ class DemoOptions:
     out: Path
     replicas: int = 2
     steps: int = 60
+    runs: int = 1
     startup_timeout_s: float = 300.0
+
+
+SINGLE_RUN = "demo"  # the single-run demo's RUN_NAME, on the default run (no prefix)
+
+
+def run_names(count: int) -> list[str]:
+    """The demo's runs: one default run named `demo`, or named runs a, b, c, ... sharing the fleet."""
+    if count < 1 or count > 26:
+        raise ValueError(f"--runs must be between 1 and 26, got {count}")
+    return [SINGLE_RUN] if count == 1 else [chr(ord("a") + i) for i in range(count)]
+
+
+def run_url(proxy_url: str, run: str, count: int) -> str:
+    """The fleet URL a run's trainer uses: the proxy itself for the single run, else its run prefix."""
+    return proxy_url if count == 1 else f"{proxy_url}/runs/{run}"
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -92,15 +113,13 @@ def replica_cache_stats(urls: list[str]) -> dict[str, Any]:
     return {"replicas": per_replica, "hit_rate": hits / queries if queries else None}
 
 
-def build_report(metrics: list[dict[str, Any]], fleet: dict[str, Any], cache: dict[str, Any],
-                 wall_s: float) -> dict[str, Any]:
+def run_report(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's training, from its metrics.jsonl: steps, reward first vs last steps, ratio range, syncs."""
     rewards = [value for _, value in _series(metrics, "reward")]
     ratios = [value for _, value in _series(metrics, "ratio")]
     syncs = [value for _, value in _series(metrics, "perf/weight_sync_s")]
     window = max(1, min(5, len(rewards) // 3))
-    router = fleet.get("router", {})
     return {
-        "wall_clock_s": round(wall_s, 1),
         "steps": latest(metrics, "step"),
         "reward": {
             "first_steps_mean": _mean(rewards[:window]),
@@ -109,13 +128,39 @@ def build_report(metrics: list[dict[str, Any]], fleet: dict[str, Any], cache: di
         },
         "importance_ratio": {"min": min(ratios, default=None), "max": max(ratios, default=None)},
         "weight_sync_s": {"p50": _percentile(syncs, 0.5), "p95": _percentile(syncs, 0.95), "count": len(syncs)},
+    }
+
+
+def fleet_report(fleet: dict[str, Any], cache: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """What the fleet did: wall clock, the replicas' prefix cache, routing, and the adapters each holds."""
+    return {
+        "wall_clock_s": round(wall_s, 1),
         "prefix_cache": cache,
-        "routing": router,
+        "routing": fleet.get("router", {}),
         "adapters": {
             "ledger": [entry["name"] for entry in fleet.get("ledger", [])],
             "loaded_on": {r["url"]: sorted(r.get("adapters", {})) for r in fleet.get("replicas", [])},
         },
     }
+
+
+def build_report(metrics: list[dict[str, Any]], fleet: dict[str, Any], cache: dict[str, Any],
+                 wall_s: float) -> dict[str, Any]:
+    """The single-run report: the run's training and the fleet's numbers side by side."""
+    return {**fleet_report(fleet, cache, wall_s), **run_report(metrics)}
+
+
+def shared_report(metrics: dict[str, list[dict[str, Any]]], fleet: dict[str, Any], cache: dict[str, Any],
+                  wall_s: float) -> dict[str, Any]:
+    """The several-runs report: the fleet's numbers, and per run its training plus what the proxy counted for it
+    (weight, generated tokens, its share of them: `/fleet`'s runs)."""
+    counted = {row["run"]: row for row in fleet.get("runs", [])}
+    runs = {}
+    for run, rows in metrics.items():
+        row = counted.get(run, {})
+        runs[run] = {**run_report(rows), "weight": row.get("weight"), "generated_tokens": row.get("generated_tokens"),
+                     "token_share": row.get("share")}
+    return {**fleet_report(fleet, cache, wall_s), "runs": runs}
 
 
 # --- weight-sync cost: what each adapter publish cost generation (PROXY_SYNC_PAUSE) ----------------------
@@ -168,8 +213,8 @@ def sync_lines(sync: dict[str, Any]) -> list[str]:
     ]
 
 
-def plot_report(metrics: list[dict[str, Any]], path: Path) -> None:
-    """Reward and weight-sync latency per step, one PNG."""
+def plot_report(metrics: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """Reward and weight-sync latency per step, one line per run, one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,13 +222,17 @@ def plot_report(metrics: list[dict[str, Any]], path: Path) -> None:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for axis, key, label in ((top, "reward", "reward"), (bottom, "perf/weight_sync_s", "weight sync (s)")):
-        points = _series(metrics, key)
-        if points:
-            axis.plot(*zip(*points, strict=True), marker="o", markersize=3)
+        for run, rows in metrics.items():
+            points = _series(rows, key)
+            if points:
+                axis.plot(*zip(*points, strict=True), marker="o", markersize=3, label=f"run {run}")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
+    if len(metrics) > 1:
+        top.legend()
     bottom.set_xlabel("optimizer step")
-    top.set_title("lorafleet demo: tiny recipe on CPU")
+    top.set_title("lorafleet demo: tiny recipe on CPU" + (f", {len(metrics)} runs sharing the fleet"
+                                                          if len(metrics) > 1 else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -193,6 +242,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Start everything, train, report, stop everything. Returns the report."""
     from lorafleet.tiny import make_tiny_model
 
+    runs = run_names(options.runs)
     out = options.out.resolve()
     work = out / "work"
     adapter_root = work / "adapters"
@@ -204,8 +254,11 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     try:
         _say(f"==> building the offline tiny model in {work / 'tiny'}")
         model = make_tiny_model(work / "tiny")
-        common = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(adapter_root), "RUN_NAME": "demo",
+        common = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(adapter_root), "RUN_NAME": runs[0],
                   "MAX_MODEL_LEN": "512", "LOG_LEVEL": "INFO"}
+        if len(runs) > 1:  # --max-loras holds every run's slots (FLEET_MAX_RUNS x (staleness + 2)), plus one run's
+            # worth for the doctor's probe, which loads as the default run (the trainers' preflight and the report's)
+            common["FLEET_MAX_RUNS"] = str(len(runs) + 1)
         cores = ";".join(str(i % 2) if i < 2 else "0-1" for i in range(options.replicas))
         _say(f"==> starting {options.replicas} CPU replicas (vLLM, float32, runtime LoRA); logs in {logs}")
         replicas = [
@@ -219,35 +272,49 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         proxy = proxy_service("proxy", {**common, "PROXY_UPSTREAMS": ",".join(r.url for r in replicas)}, logs)
         started.append(proxy.start())
         wait_healthy([proxy], timeout_s=60)
-        _say(f"==> proxy ready at {proxy.url}; training {options.steps} steps on the tiny recipe")
-        metrics_port = free_port()
-        trainer = trainer_service("trainer", {**common, "TRAINER_RECIPE": "tiny", "TRAINER_VLLM_URL": proxy.url,
-                                              "MAX_STEPS": str(options.steps),
-                                              "TRAINER_METRICS_PORT": str(metrics_port)}, logs)
-        started.append(trainer.start())
+        _say(f"==> proxy ready at {proxy.url}; training {options.steps} steps on the tiny recipe"
+             + (f" in {len(runs)} runs at once ({', '.join(runs)}), each under {proxy.url}/runs/<run>"
+                if len(runs) > 1 else ""))
+        trainers: dict[str, Service] = {}
+        for run in runs:
+            metrics_port = free_port()
+            trainers[run] = trainer_service(
+                "trainer" if len(runs) == 1 else f"trainer-{run}",
+                {**common, "RUN_NAME": run, "TRAINER_RECIPE": "tiny",
+                 "TRAINER_VLLM_URL": run_url(proxy.url, run, len(runs)), "MAX_STEPS": str(options.steps),
+                 "TRAINER_METRICS_PORT": str(metrics_port)}, logs).start()
+            started.append(trainers[run])
+            _say(f"    run {run}: trainer metrics on http://127.0.0.1:{metrics_port}/metrics")
         trainer_began = time.monotonic()
-        _say(f"    Prometheus metrics while it runs: proxy {proxy.url}/metrics, trainer "
-             f"http://127.0.0.1:{metrics_port}/metrics, replicas {', '.join(r.url + '/metrics' for r in replicas)}")
-        metrics_file = metrics_path(adapter_root, "demo")
+        _say(f"    Prometheus metrics while it runs: proxy {proxy.url}/metrics, "
+             f"replicas {', '.join(r.url + '/metrics' for r in replicas)}")
+        metrics_files = {run: metrics_path(adapter_root, run) for run in runs}
         fleet: dict[str, Any] = {}
         with httpx.Client(timeout=10) as client:
-            while trainer.alive:
+            while any(trainer.alive for trainer in trainers.values()):
                 time.sleep(3)
                 fleet = client.get(proxy.url + "/fleet").json()
-                _say(progress_line(time.monotonic() - begin, options.steps, read_metrics(metrics_file), fleet))
+                for run, path in metrics_files.items():
+                    line = progress_line(time.monotonic() - begin, options.steps, read_metrics(path), fleet)
+                    _say(line if len(runs) == 1 else f"run {run} {line}")
             fleet = client.get(proxy.url + "/fleet").json()
             trainer_s = time.monotonic() - trainer_began
             proxy_metrics = client.get(proxy.url + "/metrics").text
-        assert trainer.process is not None
-        if trainer.process.returncode != 0:
-            raise RuntimeError(f"the trainer failed (exit {trainer.process.returncode}):\n{trainer.log_tail(60)}")
-        metrics = read_metrics(metrics_file)
-        report = build_report(metrics, fleet, replica_cache_stats([r.url for r in replicas]),
-                              time.monotonic() - begin)
-        report["sync"] = sync_report(proxy_metrics, fleet, generated_tokens([r.url for r in replicas]), metrics,
-                                     trainer_s)
-        _say("==> lorafleet doctor against the demo fleet")
-        report["doctor"], report["doctor_failed"] = doctor_table(common, proxy.url)
+        for run, trainer in trainers.items():
+            assert trainer.process is not None
+            if trainer.process.returncode != 0:
+                raise RuntimeError(f"the trainer of run {run} failed (exit {trainer.process.returncode}):\n"
+                                   f"{trainer.log_tail(60)}")
+        metrics = {run: read_metrics(path) for run, path in metrics_files.items()}
+        cache = replica_cache_stats([r.url for r in replicas])
+        if len(runs) == 1:
+            report = build_report(metrics[runs[0]], fleet, cache, time.monotonic() - begin)
+            report["sync"] = sync_report(proxy_metrics, fleet, generated_tokens([r.url for r in replicas]),
+                                         metrics[runs[0]], trainer_s)
+        else:
+            report = shared_report(metrics, fleet, cache, time.monotonic() - begin)
+        _say("==> lorafleet doctor against the demo fleet" + (", once per run" if len(runs) > 1 else ""))
+        report["doctor"], report["doctor_failed"] = doctor_tables(common, proxy.url, runs)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         plot_report(metrics, out / "report.png")
@@ -260,29 +327,50 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def doctor_table(settings_env: dict[str, str], proxy_url: str) -> tuple[str, list[str]]:
-    """The doctor's checklist against the fleet the demo trained on (before it is stopped): the table and
-    the names of the checks that failed."""
+def doctor_tables(settings_env: dict[str, str], proxy_url: str, runs: list[str]) -> tuple[str, list[str]]:
+    """The doctor's checklist against the fleet the demo trained on (before it is stopped), once per run under its
+    own name (its versions, its ratio) and, like a trainer on a shared fleet, against the proxy itself; the probe
+    once, in the first: the table(s) and the failed checks (`<run>: <check>` with several runs)."""
     from lorafleet.commands.doctor import failed, render_table, run_doctor_sync
     from lorafleet.settings import Settings, env_name, load_settings
 
     fields = {env_name(name): name for name in Settings.model_fields}
-    settings = load_settings(**{fields[key]: value for key, value in settings_env.items()},
-                             trainer_vllm_url=proxy_url, replica_device="cpu")  # the demo's replicas run on CPU
-    results = run_doctor_sync(settings, proxy_url, probe=True)  # the trainer has exited: nothing is training
-    return render_table(results), [result.name for result in failed(results)]
+    tables, failures = [], []
+    for index, run in enumerate(runs):
+        values = {fields[key]: value for key, value in settings_env.items()}
+        values.update(run_name=run, trainer_vllm_url=run_url(proxy_url, run, len(runs)),
+                      replica_device="cpu")  # the demo's replicas run on CPU
+        settings = load_settings(**values)
+        results = run_doctor_sync(settings, proxy_url, probe=index == 0)  # the trainers have exited: nothing trains
+        tables.append(render_table(results) if len(runs) == 1 else f"run {run}:\n{render_table(results)}")
+        failures += [result.name if len(runs) == 1 else f"{run}: {result.name}" for result in failed(results)]
+    return "\n\n".join(tables), failures
 
 
-def summary(report: dict[str, Any]) -> str:
+def run_lines(report: dict[str, Any]) -> list[str]:
+    """One run's training, as the summary prints it."""
     reward, ratio, sync = report["reward"], report["importance_ratio"], report["weight_sync_s"]
-    router = report["routing"]
-    routed = router.get("routed", 0)
-    lines = [
-        f"steps {report['steps']} in {report['wall_clock_s']:.0f}s",
+    return [
         f"reward: first {reward['window_steps']} steps {fmt(reward['first_steps_mean'], '.3f')} -> "
         f"last {reward['window_steps']} steps {fmt(reward['last_steps_mean'], '.3f')}",
         f"importance ratio: {fmt(ratio['min'], '.4f')} .. {fmt(ratio['max'], '.4f')}",
         f"weight sync: p50 {fmt(sync['p50'], '.2f')}s  p95 {fmt(sync['p95'], '.2f')}s  ({sync['count']} syncs)",
+    ]
+
+
+def summary(report: dict[str, Any]) -> str:
+    router = report["routing"]
+    routed = router.get("routed", 0)
+    if "runs" in report:
+        lines = [f"{len(report['runs'])} runs sharing the fleet in {report['wall_clock_s']:.0f}s"]
+        for run, row in report["runs"].items():
+            lines.append(f"run {run}: steps {row['steps']}, weight {fmt(row['weight'], '.0f')}, "
+                         f"{fmt(row['generated_tokens'], '.0f')} tokens generated, "
+                         f"share {fmt(row['token_share'], '.1%')}")
+            lines += [f"  {line}" for line in run_lines(row)]
+    else:
+        lines = [f"steps {report['steps']} in {report['wall_clock_s']:.0f}s", *run_lines(report)]
+    lines += [
         f"prefix cache hit rate (replicas' /metrics): {fmt(report['prefix_cache']['hit_rate'], '.1%')}",
         f"routing: {routed} routed, affinity {router.get('affinity', 0)}, spilled {router.get('spilled', 0)}, "
         f"unmatched {router.get('unmatched', 0)}",

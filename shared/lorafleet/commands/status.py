@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from lorafleet.adapters import policy_version
+from lorafleet.runs import DEFAULT_RUN, RUN_SEPARATOR, run_of
 from lorafleet.settings import Settings
 
 
@@ -52,14 +53,22 @@ def latest(rows: list[dict[str, Any]], key: str) -> Any:
 
 
 def adapter_span(names: list[str]) -> str:
-    """`trl-policy-v5 … v9 (5)` for a run of policy versions; other names are listed."""
-    versions = sorted(v for v in map(policy_version, names) if v is not None)
-    others = sorted(n for n in names if policy_version(n) is None)
+    """`trl-policy-v5 … v9 (5)` for a run of policy versions, per run on a shared fleet
+    (`a--trl-policy-v3 … v7, b--trl-policy-v5 … v9 (10)`); other names are listed."""
+    if not names:
+        return "-"
+    by_run: dict[str, list[str]] = {}
+    for name in names:
+        run, own = run_of(name)
+        by_run.setdefault(run, []).append(own)
     parts = []
-    if versions:
-        parts.append(f"trl-policy-v{versions[0]}" + (f" … v{versions[-1]}" if len(versions) > 1 else ""))
-    parts += others
-    return (", ".join(parts) + f" ({len(names)})") if names else "-"
+    for run in sorted(by_run, key=lambda r: (r != DEFAULT_RUN, r)):
+        prefix = "" if run == DEFAULT_RUN else f"{run}{RUN_SEPARATOR}"
+        versions = sorted(v for v in map(policy_version, by_run[run]) if v is not None)
+        if versions:
+            parts.append(f"{prefix}trl-policy-v{versions[0]}" + (f" … v{versions[-1]}" if len(versions) > 1 else ""))
+        parts += sorted(prefix + n for n in by_run[run] if policy_version(n) is None)
+    return ", ".join(parts) + f" ({len(names)})"
 
 
 def _pct(part: int, whole: int) -> str:
