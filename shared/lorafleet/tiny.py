@@ -64,15 +64,16 @@ def build_tokenizer(seed: int = 0, vocab_size: int = 1000):  # -> PreTrainedToke
 def make_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     """Write a deterministic random Qwen2ForCausalLM (hidden 128, 2 layers, 4 heads, 2 KV heads) to `out_dir`.
 
-    Idempotent: a directory already holding a model built with the same seed is left alone.
+    Idempotent: a directory already holding a model built with the same seed is left alone, before torch is even
+    imported (the stack's one-shot `tiny-model` service runs again at every `make scale`).
     """
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
     out = Path(out_dir)
     marker = out / MODEL_MARKER
     if marker.exists() and json.loads(marker.read_text()).get("seed") == seed:
         return out
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
     tokenizer = build_tokenizer(seed)
     config = Qwen2Config(
         vocab_size=len(tokenizer),

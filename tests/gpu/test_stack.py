@@ -254,12 +254,14 @@ def base_model(stack: Stack) -> str:
 
 class Traffic:
     """Completions through the public port, one at a time, in a thread: a user evaluating while the fleet changes.
-    Bounded: stops at `stop()` or after `limit_s`. Every answer that is not 200 is kept."""
+    Bounded: stops at `stop()` or after `limit_s`. Every answer that is not 200 is kept. A few a second, not back to
+    back: on a 2-core machine a saturating loop starved a starting replica's imports (7 minutes to come up)."""
 
-    def __init__(self, stack: Stack, limit_s: float = 900) -> None:
+    def __init__(self, stack: Stack, limit_s: float = 900, every_s: float = 0.25) -> None:
         self.plan = stack.plan
         self.model = base_model(stack)
         self.limit_s = limit_s
+        self.every_s = every_s
         self.sent = 0
         self.failures: list[str] = []
         self._stop = threading.Event()
@@ -285,6 +287,7 @@ class Traffic:
                 except httpx.HTTPError as exc:
                     self.failures.append(f"{type(exc).__name__}: {exc}")
                 self.sent += 1
+                self._stop.wait(self.every_s)
 
     def wait_sent(self, count: int, timeout_s: float = 300) -> None:
         goal = self.sent + count
