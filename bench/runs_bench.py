@@ -7,8 +7,11 @@ PROXY_FAIR_INFLIGHT_PER_REPLICA = that batch, so the fleet, not the load generat
 one run alone gets the same fleet. Each run has its own adapter and a closed loop of clients; client
 counts differ on purpose (one run bursts), so a share that follows the weights comes from the proxy's queue,
 not from the load. Scenarios: one run alone (the default run), two runs (weights 1:1, clients 3:1), four runs
-(weights 1:1:2:4, equal clients). Shares are counted in generated tokens from the proxy's GET /fleet; queue wait
-percentiles come from the proxy's `lorafleet_proxy_run_queue_wait_seconds` histogram.
+(weights 1:1:2:4, equal clients). Shares are counted in generated tokens from the proxy's GET /fleet over the
+saturated window only: from the end of a warm-up (the first window is admitted before anyone queues) to the moment
+the clients stop sending (after it, every client's last request drains regardless of weight: equal counts per client,
+not the scheduler's choice). Queue wait percentiles come from the proxy's `lorafleet_proxy_run_queue_wait_seconds`
+histogram.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from lorafleet.settings import load_settings  # noqa: E402
 from lorafleet_proxy.app import create_app  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+TOKENS_PER_COMPLETION = 3  # what a fake replica generates for each completion (fakes.py)
 SCENARIOS: dict[str, dict[str, tuple[float, int]]] = {  # run -> (weight, clients)
     "one run alone": {"default": (1.0, 48)},
     "two runs, one bursting": {"a": (1.0, 48), "b": (1.0, 16)},
@@ -66,8 +70,13 @@ def queue_waits(metrics: str) -> dict[str, dict[str, float]]:
             for run, pairs in buckets.items()}
 
 
+def run_tokens(view: dict[str, Any]) -> dict[str, int]:
+    """Generated tokens per run, as the proxy counted them (GET /fleet's runs)."""
+    return {row["run"]: int(row.get("generated_tokens") or 0) for row in view.get("runs", [])}
+
+
 async def scenario(name: str, runs: dict[str, tuple[float, int]], seconds: float, latency_s: float,
-                   window: int) -> dict[str, Any]:
+                   window: int, warmup_s: float) -> dict[str, Any]:
     fakes = [FakeReplica(max_loras=16) for _ in range(2)]
     for fake in fakes:  # an engine: `window` completions at once, each `latency_s` long
         fake.faults.latency_s, fake.faults.max_running = latency_s, window
@@ -96,28 +105,32 @@ async def scenario(name: str, runs: dict[str, tuple[float, int]], seconds: float
         done: dict[str, int] = dict.fromkeys(runs, 0)
 
         async def client(run: str, index: int) -> None:
-            body = {"model": "policy", "prompt": list(range(index, index + 64)), "max_tokens": 3}
+            body = {"model": "policy", "prompt": list(range(index, index + 64)), "max_tokens": TOKENS_PER_COMPLETION}
             while time.monotonic() < stop:
                 response = await http.post(f"{prefix[run]}/v1/completions", json=body)
                 assert response.status_code == 200, response.text
                 done[run] += 1
 
-        started = time.monotonic()
-        await asyncio.gather(*(client(run, i) for run, (_, clients) in runs.items() for i in range(clients)))
-        elapsed = time.monotonic() - started
-        view = (await http.get("/fleet")).json()
+        async def measured() -> tuple[dict[str, int], dict[str, int], float]:
+            """Tokens per run at the end of the warm-up and when the clients stop sending; the seconds between."""
+            await asyncio.sleep(max(0.0, stop - seconds + warmup_s - time.monotonic()))
+            first, first_at = run_tokens((await http.get("/fleet")).json()), time.monotonic()
+            await asyncio.sleep(max(0.0, stop - time.monotonic()))
+            return first, run_tokens((await http.get("/fleet")).json()), time.monotonic() - first_at
+
+        loads = asyncio.gather(*(client(run, i) for run, (_, clients) in runs.items() for i in range(clients)))
+        (before, after, window_s), _ = await asyncio.gather(measured(), loads)
         waits = queue_waits((await http.get("/metrics")).text)
     finally:
         await http.aclose()
         await proxy.stop()
         for server in servers:
             await server.stop()
-    rows = {row["run"]: row for row in view["runs"]}
     total_weight = sum(weight for weight, _ in runs.values())
-    tokens = {run: rows.get(run, {}).get("generated_tokens", 0) or 3 * done[run] for run in runs}
+    tokens = {run: after.get(run, 0) - before.get(run, 0) for run in runs}
     total_tokens = sum(tokens.values())
-    result = {"scenario": name, "seconds": round(elapsed, 1), "requests_per_s": round(sum(done.values()) / elapsed, 1),
-              "runs": []}
+    result = {"scenario": name, "measured_s": round(window_s, 1), "warmup_s": warmup_s,
+              "requests_per_s": round(total_tokens / TOKENS_PER_COMPLETION / window_s, 1), "runs": []}
     for run, (weight, clients) in runs.items():
         share = tokens[run] / total_tokens if total_tokens else 0.0
         target = weight / total_weight
@@ -145,12 +158,13 @@ async def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--latency-s", type=float, default=0.02, help="time one fake completion takes")
     parser.add_argument("--window", type=int, default=4, help="PROXY_FAIR_INFLIGHT_PER_REPLICA")
+    parser.add_argument("--warmup-s", type=float, default=3.0, help="seconds of load before shares are counted")
     args = parser.parse_args()
-    results = [await scenario(name, runs, args.seconds, args.latency_s, args.window)
+    results = [await scenario(name, runs, args.seconds, args.latency_s, args.window, args.warmup_s)
                for name, runs in SCENARIOS.items()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"latency_s": args.latency_s, "window_per_replica": args.window, "replicas": 2,
-                                    "results": results}, indent=1))
+    args.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "latency_s": args.latency_s,
+                                    "window_per_replica": args.window, "replicas": 2, "results": results}, indent=1))
     print(table(results))
     print(f"\nwritten: {args.out}")
 
