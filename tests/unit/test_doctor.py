@@ -350,6 +350,19 @@ async def test_evicted_version_in_the_window_fails(fleet, settings, root):
     _one(result, Status.FAIL, "the ledger lacks v2 of the window v1..v5", f"{R2} no longer has trl-policy-v3")
 
 
+async def test_a_named_runs_versions_are_found_under_their_fleet_names(fleet, settings, root):
+    """On a shared fleet run1's versions are `run1--trl-policy-vN` in the ledger and on the replicas; another run
+    holding the same TRL names does not count for it."""
+    for version in range(1, 6):
+        fleet.load(f"run1--trl-policy-v{version}", _lora(root, "run1", f"trl-policy-v{version}"))
+        fleet.load(f"b--trl-policy-v{version + 3}", _lora(root, "b", f"trl-policy-v{version + 3}"))
+    _one(check_versions_kept(await _snapshot(fleet, settings), settings), Status.PASS, "run run1: v1..v5")
+    del fleet.adapters[R2]["run1--trl-policy-v4"]
+    result = check_versions_kept(await _snapshot(fleet, settings), settings)
+    _one(result, Status.FAIL, f"{R2} no longer has run1--trl-policy-v4")
+    assert "b--" not in result.reason
+
+
 async def test_loaded_version_whose_files_are_gone_fails(fleet, settings, root):
     root.mkdir(parents=True)
     fleet.load("trl-policy-v1", _lora(root, "run1", "trl-policy-v1"))  # never written to disk

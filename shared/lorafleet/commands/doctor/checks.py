@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lorafleet.adapters import lora_dir, policy_name, policy_version
+from lorafleet.adapters import lora_dir, policy_version
 from lorafleet.commands.doctor.model import CheckResult, ProbeReport, ReplicaView, Snapshot, Status
 from lorafleet.lora import adapter_rank, build_lora_config, trl_select_adapter_sync
+from lorafleet.runs import run_of
 from lorafleet.settings import Settings, gpus_shared, round_lora_rank
 from lorafleet.vllm_api import ServerInfo
 
@@ -271,26 +272,27 @@ def check_versions_kept(snapshot: Snapshot, settings: Settings) -> CheckResult:
     if snapshot.ledger is None:
         return CheckResult(name, Status.SKIP, "no ledger (proxy unreachable)", "see fleet")
     run_lora = norm_path(str(lora_dir(settings.adapter_root, settings.run_name)))
-    versions = {policy_version(n): norm_path(p) for n, p in snapshot.ledger
-                if os.path.dirname(norm_path(p)) == run_lora}
-    versions.pop(None, None)
-    if not versions:
+    # On a shared fleet the ledger and the replicas name a run's versions `<run>--trl-policy-vN`: keep the fleet's
+    # name of each version for the replicas' lists, the version number from the run's own name.
+    named = {policy_version(run_of(n)[1]): (n, norm_path(p)) for n, p in snapshot.ledger
+             if os.path.dirname(norm_path(p)) == run_lora}
+    named.pop(None, None)
+    if not named:
         return CheckResult(name, Status.SKIP, f"no policy version of run {settings.run_name} published yet "
                            f"(nothing under {run_lora} in the ledger)")
-    newest = max(v for v in versions if v is not None)
+    newest = max(v for v in named if v is not None)
     window = range(max(1, newest - settings.max_staleness), newest + 1)
     problems = []
-    missing = [v for v in window if v not in versions]
+    missing = [v for v in window if v not in named]
     if missing:
         problems.append(f"the ledger lacks {', '.join(f'v{v}' for v in missing)} of the window "
                         f"v{window.start}..v{newest} (MAX_STALENESS={settings.max_staleness})")
     for replica in snapshot.reachable():
-        gone = [v for v in window if v in versions and (replica.adapters or {}).get(policy_name(v)) is None]
+        gone = [named[v][0] for v in window if v in named and (replica.adapters or {}).get(named[v][0]) is None]
         if gone:
-            problems.append(f"{replica.url} no longer has {', '.join(map(policy_name, gone))} loaded")
+            problems.append(f"{replica.url} no longer has {', '.join(gone)} loaded")
     if settings.adapter_root.is_dir():
-        deleted = [policy_name(v) for v in window if v in versions
-                   and not Path(versions[v], "adapter_config.json").is_file()]
+        deleted = [named[v][0] for v in window if v in named and not Path(named[v][1], "adapter_config.json").is_file()]
         if deleted:
             problems.append(f"loaded but their directory is gone: {', '.join(deleted)} (vLLM's engine dies when it "
                             "re-reads an evicted adapter whose files were deleted)")
