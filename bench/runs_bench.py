@@ -111,12 +111,18 @@ async def scenario(name: str, runs: dict[str, tuple[float, int]], seconds: float
                 assert response.status_code == 200, response.text
                 done[run] += 1
 
+        async def counted() -> dict[str, int]:
+            """Generated tokens per run: the proxy's count (GET /fleet), or, for a lone run (a single-run fleet
+            counts no tokens per run), its completions as the clients saw them."""
+            proxy = run_tokens((await http.get("/fleet")).json())
+            return {run: proxy.get(run) or TOKENS_PER_COMPLETION * done[run] for run in runs}
+
         async def measured() -> tuple[dict[str, int], dict[str, int], float]:
             """Tokens per run at the end of the warm-up and when the clients stop sending; the seconds between."""
             await asyncio.sleep(max(0.0, stop - seconds + warmup_s - time.monotonic()))
-            first, first_at = run_tokens((await http.get("/fleet")).json()), time.monotonic()
+            first, first_at = await counted(), time.monotonic()
             await asyncio.sleep(max(0.0, stop - time.monotonic()))
-            return first, run_tokens((await http.get("/fleet")).json()), time.monotonic() - first_at
+            return first, await counted(), time.monotonic() - first_at
 
         loads = asyncio.gather(*(client(run, i) for run, (_, clients) in runs.items() for i in range(clients)))
         (before, after, window_s), _ = await asyncio.gather(measured(), loads)
@@ -155,8 +161,8 @@ def table(results: list[dict[str, Any]]) -> str:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-runs.json")
-    parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--latency-s", type=float, default=0.02, help="time one fake completion takes")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--latency-s", type=float, default=0.2, help="time one fake completion takes")
     parser.add_argument("--window", type=int, default=4, help="PROXY_FAIR_INFLIGHT_PER_REPLICA")
     parser.add_argument("--warmup-s", type=float, default=3.0, help="seconds of load before shares are counted")
     args = parser.parse_args()
