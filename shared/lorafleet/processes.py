@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,13 +32,9 @@ def free_port() -> int:
     between this check and the server's own bind a client connection can take it ("address already in use"; seen
     under the test suite's load). Ports below that range are only ever taken by an explicit bind.
     """
-    import random
-
     with contextlib.suppress(OSError, ValueError):
         low = int(EPHEMERAL_RANGE.read_text().split()[0])
-        candidates = list(range(LOWEST_PORT, low))
-        random.shuffle(candidates)
-        for port in candidates[:200]:
+        for port in random.sample(range(LOWEST_PORT, low), min(200, low - LOWEST_PORT)):
             with socket.socket() as sock:
                 try:
                     sock.bind(("127.0.0.1", port))

@@ -53,6 +53,11 @@ def fleet_url(url: str) -> str:
     return base[: base.rindex(RUN_URL_PREFIX)]
 
 
+def run_url(fleet: str, run: str) -> str:
+    """The URL a run's trainer uses: `<fleet>/runs/<run>` (the inverse of fleet_url and url_run)."""
+    return f"{fleet.rstrip('/')}{RUN_URL_PREFIX}{check_run_name(run)}"
+
+
 def url_run(url: str) -> str:
     """The run a base URL speaks for: `<run>` of `http://proxy:8000/runs/<run>`, else the default run."""
     path = urlsplit(url).path.rstrip("/")

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lorafleet.adapters import ADAPTER_NAME_PATTERN
 from lorafleet.ledger_file import Entry, LedgerFileError, LedgerState, RunRecord, parse, serialize
-from lorafleet.runs import DEFAULT_RUN, RunNameError, check_run_name, fleet_url, qualify, run_of, url_run
+from lorafleet.runs import DEFAULT_RUN, RunNameError, check_run_name, fleet_url, qualify, run_of, run_url, url_run
 
 RUN = st.from_regex(r"\A[A-Za-z0-9]{1,8}(?:[._-][A-Za-z0-9]{1,6}){0,3}\Z").filter(lambda run: run != DEFAULT_RUN)
 NAME = st.from_regex(r"\A[A-Za-z0-9](?:[A-Za-z0-9._]|-(?!-)){0,60}\Z").filter(lambda name: "--" not in name)
@@ -33,6 +33,10 @@ def test_run_urls() -> None:
     assert url_run("http://proxy:8000/runs/lr-sweep.1") == "lr-sweep.1"
     assert url_run("http://proxy:8000/runs/b/") == "b" and url_run("http://proxy:8000") == DEFAULT_RUN
     assert fleet_url("http://proxy:8000/runs/b") == "http://proxy:8000" == fleet_url("http://proxy:8000/")
+    assert run_url("http://proxy:8000/", "b") == "http://proxy:8000/runs/b"
+    assert url_run(run_url("http://proxy:8000", "b")) == "b" and fleet_url(run_url("http://p:1", "b")) == "http://p:1"
+    with pytest.raises(RunNameError):
+        run_url("http://proxy:8000", "a--b")
     with pytest.raises(RunNameError):
         url_run("http://proxy:8000/runs/a--b")
 

@@ -11,11 +11,11 @@ from lorafleet.commands.demo import (
     build_report,
     progress_line,
     run_names,
-    run_url,
     shared_report,
     summary,
     sync_lines,
     sync_report,
+    trainer_url,
 )
 from lorafleet.commands.status import adapter_span, read_metrics, render_status
 
@@ -108,8 +108,8 @@ def test_several_runs_report_each_runs_training_and_its_share_from_the_proxys_co
 
 
 def test_demo_runs_are_the_default_run_alone_or_named_runs_under_their_prefix():
-    assert run_names(1) == ["demo"] and run_url("http://p:1", "demo", 1) == "http://p:1"
-    assert run_names(3) == ["a", "b", "c"] and run_url("http://p:1", "b", 3) == "http://p:1/runs/b"
+    assert run_names(1) == ["demo"] and trainer_url("http://p:1", "demo", 1) == "http://p:1"
+    assert run_names(3) == ["a", "b", "c"] and trainer_url("http://p:1", "b", 3) == "http://p:1/runs/b"
     with pytest.raises(ValueError, match="--runs"):
         run_names(0)
 

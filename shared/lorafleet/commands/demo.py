@@ -29,6 +29,7 @@ import httpx
 from lorafleet.adapters import metrics_path, policy_version
 from lorafleet.commands.status import adapter_span, fmt, latest, read_metrics
 from lorafleet.processes import Service, free_port, proxy_service, replica_service, trainer_service, wait_healthy
+from lorafleet.runs import run_url
 from lorafleet.vllm_api import metric_total
 
 
@@ -51,9 +52,9 @@ def run_names(count: int) -> list[str]:
     return [SINGLE_RUN] if count == 1 else [chr(ord("a") + i) for i in range(count)]
 
 
-def run_url(proxy_url: str, run: str, count: int) -> str:
+def trainer_url(proxy_url: str, run: str, count: int) -> str:
     """The fleet URL a run's trainer uses: the proxy itself for the single run, else its run prefix."""
-    return proxy_url if count == 1 else f"{proxy_url}/runs/{run}"
+    return proxy_url if count == 1 else run_url(proxy_url, run)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -281,7 +282,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
             trainers[run] = trainer_service(
                 "trainer" if len(runs) == 1 else f"trainer-{run}",
                 {**common, "RUN_NAME": run, "TRAINER_RECIPE": "tiny",
-                 "TRAINER_VLLM_URL": run_url(proxy.url, run, len(runs)), "MAX_STEPS": str(options.steps),
+                 "TRAINER_VLLM_URL": trainer_url(proxy.url, run, len(runs)), "MAX_STEPS": str(options.steps),
                  "TRAINER_METRICS_PORT": str(metrics_port)}, logs).start()
             started.append(trainers[run])
             _say(f"    run {run}: trainer metrics on http://127.0.0.1:{metrics_port}/metrics")
@@ -338,7 +339,7 @@ def doctor_tables(settings_env: dict[str, str], proxy_url: str, runs: list[str])
     tables, failures = [], []
     for index, run in enumerate(runs):
         values = {fields[key]: value for key, value in settings_env.items()}
-        values.update(run_name=run, trainer_vllm_url=run_url(proxy_url, run, len(runs)),
+        values.update(run_name=run, trainer_vllm_url=trainer_url(proxy_url, run, len(runs)),
                       replica_device="cpu")  # the demo's replicas run on CPU
         settings = load_settings(**values)
         results = run_doctor_sync(settings, proxy_url, probe=index == 0)  # the trainers have exited: nothing trains

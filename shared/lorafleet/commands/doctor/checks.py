@@ -280,7 +280,7 @@ def check_versions_kept(snapshot: Snapshot, settings: Settings) -> CheckResult:
     if not named:
         return CheckResult(name, Status.SKIP, f"no policy version of run {settings.run_name} published yet "
                            f"(nothing under {run_lora} in the ledger)")
-    newest = max(v for v in named if v is not None)
+    newest = max(named)
     window = range(max(1, newest - settings.max_staleness), newest + 1)
     problems = []
     missing = [v for v in window if v not in named]
