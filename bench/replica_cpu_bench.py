@@ -1,0 +1,181 @@
+"""CPU replica benchmark: vLLM's executor in CPU mode, `uni` (lorafleet's default) vs `mp` (vLLM's own), side by side.
+
+vLLM's CPU platform runs the model in a worker process of its own (`mp`) that busy-polls the engine's shared-memory
+queue for a second after every step. On a workstation or CI box where replicas, the trainer and a booting replica
+share cores, that spinning is CPU taken from everything else. Per mode, one real `lorafleet-replica` (tiny model)
+bound to core 0:
+
+- boot: start to /health 200, the machine otherwise idle;
+- CPU used (cores, all of the replica's processes) idle and under light traffic (one 4-token completion every
+  0.25 s, the stack test's evaluation traffic), with that traffic's median latency;
+- saturated: completions and tokens per second with 8 concurrent clients (32 tokens each);
+- neighbour boot: a second replica on the SAME core booting while the first serves the light traffic (scale-out or
+  a crash restart on a shared machine); null when it was not healthy within --neighbour-timeout.
+
+    .venv/bin/python bench/replica_cpu_bench.py --out results/bench-replica.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from lorafleet.processes import Service, replica_service, wait_healthy
+from lorafleet.tiny import make_tiny_model
+
+MODES = ("mp", "uni")
+LIGHT_EVERY_S = 0.25
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+def cpu_seconds(service: Service) -> float:
+    """User + system CPU time of the replica's process and all its children (API server, engine core, worker)."""
+    total = 0.0
+    try:
+        root = psutil.Process(service.pid)
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+                total += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+    except psutil.NoSuchProcess:
+        pass
+    return total
+
+
+def cores_used(service: Service, seconds: float, work: Any = None) -> float:
+    before, started = cpu_seconds(service), time.monotonic()
+    if work is None:
+        time.sleep(seconds)
+    else:
+        work(seconds)
+    return (cpu_seconds(service) - before) / (time.monotonic() - started)
+
+
+class LightTraffic:
+    """One short completion every LIGHT_EVERY_S in a thread; latencies kept."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
+        self.latencies: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=120) as client:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                body = {"model": self.model, "prompt": f"{len(self.latencies)} {PROMPT}", "max_tokens": 4,
+                        "temperature": 0.0}
+                client.post("/v1/completions", json=body).raise_for_status()
+                self.latencies.append(time.monotonic() - started)
+                self._stop.wait(LIGHT_EVERY_S)
+
+    def __enter__(self) -> LightTraffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+
+def saturated(url: str, model: str, seconds: float, clients: int = 8, tokens: int = 32) -> dict[str, float]:
+    done = [0]
+    deadline = time.monotonic() + seconds
+
+    def client_loop() -> None:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            while time.monotonic() < deadline:
+                body = {"model": model, "prompt": f"{done[0]} {PROMPT}", "max_tokens": tokens, "ignore_eos": True,
+                        "temperature": 1.0}
+                client.post("/v1/completions", json=body).raise_for_status()
+                done[0] += 1
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.monotonic() - started
+    return {"completions_per_s": round(done[0] / elapsed, 2), "tokens_per_s": round(done[0] * tokens / elapsed, 1)}
+
+
+def boot(service: Service, timeout_s: float) -> float | None:
+    """Seconds from start to /health 200; None when it was not healthy within `timeout_s` (a starved boot)."""
+    started = time.monotonic()
+    try:
+        wait_healthy([service.start()], timeout_s=timeout_s)
+    except TimeoutError:
+        return None
+    return round(time.monotonic() - started, 1)
+
+
+def run_mode(mode: str, env: dict[str, str], logs: Path, args: argparse.Namespace) -> dict[str, Any]:
+    env = {**env, "VLLM_CPU_EXECUTOR": mode}
+    first = replica_service(f"{mode}-first", env, logs)
+    # Its own adapter root, so its own device claims: both replicas bind core 0, as two replicas sharing a core do.
+    second = replica_service(f"{mode}-neighbour", {**env, "ADAPTER_ROOT": env["ADAPTER_ROOT"] + "-neighbour"}, logs)
+    try:
+        result: dict[str, Any] = {"boot_s": boot(first, args.timeout)}
+        if result["boot_s"] is None:
+            raise TimeoutError(f"{first.name} not healthy within {args.timeout:.0f} s:\n{first.log_tail()}")
+        model = env["BASE_MODEL"]
+        httpx.post(first.url + "/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 4},
+                   timeout=120).raise_for_status()  # the first request compiles; measure after it
+        time.sleep(2)  # past the busy-poll window of that request
+        result["idle_cores"] = round(cores_used(first, args.window), 3)
+        with LightTraffic(first.url, model) as traffic:
+            time.sleep(1)
+            result["light_traffic_cores"] = round(cores_used(first, args.window), 3)
+            result["light_traffic_p50_ms"] = round(1000 * statistics.median(traffic.latencies), 1)
+            result["neighbour_boot_s"] = boot(second, args.neighbour_timeout)
+        second.stop()
+        result["saturated"] = saturated(first.url, model, args.window)
+        return result
+    finally:
+        second.stop()
+        first.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/bench-replica.json"))
+    parser.add_argument("--window", type=float, default=10.0, help="seconds per CPU / throughput window")
+    parser.add_argument("--rounds", type=int, default=1, help="mp, uni alternated this many times")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds the first replica may take to boot")
+    parser.add_argument("--neighbour-timeout", type=float, default=180.0,
+                        help="seconds the neighbour may take; longer is recorded as null (starved)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-replica-"))
+    model = make_tiny_model(work / "model" / "tiny")
+    (work / "adapters").mkdir()
+    (work / "adapters-neighbour").mkdir()
+    env = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(work / "adapters"), "MAX_MODEL_LEN": "512",
+           "VLLM_CPU_SETS": "0", "LOG_LEVEL": "WARNING"}
+    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    for round_index in range(args.rounds):
+        for mode in MODES:
+            print(f"round {round_index + 1}/{args.rounds}: {mode} ...", flush=True)
+            rounds[mode].append(run_mode(mode, env, work / "logs", args))
+            print(f"  {mode}: {json.dumps(rounds[mode][-1])}", flush=True)
+    result = {"machine": {"cpus": psutil.cpu_count(), "core_set": "0 (both replicas)"},
+              "light_traffic_every_s": LIGHT_EVERY_S, "window_s": args.window, "modes": rounds}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
