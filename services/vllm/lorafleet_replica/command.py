@@ -3,7 +3,7 @@
 Everything the fleet relies on is set here and only here: runtime LoRA updating and dev mode on
 (the proxy loads adapters and pauses replicas), --max-loras = FLEET_MAX_RUNS x (max_staleness + 2), the
 proxy's slot budget for the runs sharing the fleet, and the rounded
---max-lora-rank (TRL refuses fewer slots, see trl-async-grpo.md section 4), processed logprobs
+--max-lora-rank (TRL's trainer refuses a server with fewer slots; README "Settings"), processed logprobs
 (the behaviour policy's logprobs TRL uses as PPO denominator) and vLLM's own generation config.
 With PROXY_UPSTREAM_TOKEN set, vLLM gets it as its API key through VLLM_API_KEY (not `--api-key`,
 which would show it in every process listing). vLLM 0.31 guards only /v1/*, /v2/*, /inference/*
