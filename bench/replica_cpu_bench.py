@@ -52,12 +52,10 @@ def cpu_seconds(service: Service) -> float:
     return total
 
 
-def cores_used(service: Service, seconds: float, work: Any = None) -> float:
+def cores_used(service: Service, seconds: float) -> float:
+    """The replica's CPU seconds per wall second over the next `seconds`."""
     before, started = cpu_seconds(service), time.monotonic()
-    if work is None:
-        time.sleep(seconds)
-    else:
-        work(seconds)
+    time.sleep(seconds)
     return (cpu_seconds(service) - before) / (time.monotonic() - started)
 
 
@@ -90,25 +88,25 @@ class LightTraffic:
 
 
 def saturated(url: str, model: str, seconds: float, clients: int = 8, tokens: int = 32) -> dict[str, float]:
-    done = [0]
+    done = [0] * clients  # one counter per client thread: no shared read-modify-write
     deadline = time.monotonic() + seconds
 
-    def client_loop() -> None:
+    def client_loop(index: int) -> None:
         with httpx.Client(base_url=url, timeout=120) as client:
             while time.monotonic() < deadline:
-                body = {"model": model, "prompt": f"{done[0]} {PROMPT}", "max_tokens": tokens, "ignore_eos": True,
-                        "temperature": 1.0}
+                body = {"model": model, "prompt": f"{index} {done[index]} {PROMPT}", "max_tokens": tokens,
+                        "ignore_eos": True, "temperature": 1.0}
                 client.post("/v1/completions", json=body).raise_for_status()
-                done[0] += 1
+                done[index] += 1
 
     started = time.monotonic()
-    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
+    threads = [threading.Thread(target=client_loop, args=(index,)) for index in range(clients)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    elapsed = time.monotonic() - started
-    return {"completions_per_s": round(done[0] / elapsed, 2), "tokens_per_s": round(done[0] * tokens / elapsed, 1)}
+    elapsed, total = time.monotonic() - started, sum(done)
+    return {"completions_per_s": round(total / elapsed, 2), "tokens_per_s": round(total * tokens / elapsed, 1)}
 
 
 def boot(service: Service, timeout_s: float) -> float | None:
