@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.adapters import AdapterNameError, AdapterPathError, check_adapter_name, confine, fleet_dir
-from lorafleet.runs import DEFAULT_RUN, RunNameError, check_run_name, run_of
+from lorafleet.runs import DEFAULT_RUN, RunNameError, check_run_name, run_of, run_slots
 
 LEDGER_FILE = "proxy-ledger.json"
 LEDGER_VERSION = 3
@@ -71,7 +71,7 @@ class RunRecord:
 
     @property
     def slots(self) -> int:
-        return self.max_staleness + 2
+        return run_slots(self.max_staleness)
 
 
 @dataclass

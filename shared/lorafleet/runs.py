@@ -21,6 +21,17 @@ BUDGET_ERROR = "SlotBudgetExceeded"  # the error type of the proxy's 409 for a r
 RUN_PATTERN = re.compile(r"^(?=.{1,32}$)[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*$")
 
 
+def run_slots(max_staleness: int) -> int:
+    """LoRA slots one run reserves on every replica: max_staleness + 1 versions can be in flight, and a sync loads
+    the next before it unloads the oldest. The one place this arithmetic lives (settings, ledger, proxy, doctor)."""
+    return max_staleness + 2
+
+
+def slot_budget(max_runs: int, max_staleness: int) -> int:
+    """--max-loras for a fleet shared by `max_runs` runs of this staleness."""
+    return max_runs * run_slots(max_staleness)
+
+
 class RunNameError(ValueError):
     """A run name does not match RUN_PATTERN."""
 

@@ -21,6 +21,7 @@ from pydantic import Field, ValidationError, computed_field, field_validator, mo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lorafleet.adapters import metrics_path, run_dir
+from lorafleet.runs import run_slots, slot_budget
 
 # vLLM accepts only these values for --max-lora-rank (vllm/config/lora.py, TRL's VLLM_LORA_RANKS).
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -315,12 +316,12 @@ class Settings(BaseSettings):
     def max_loras(self) -> int:
         """LoRA slots per replica: max_staleness + 1 versions can be in flight, and a sync loads before it unloads;
         once per run the fleet serves at once."""
-        return self.fleet_max_runs * self.run_slots
+        return slot_budget(self.fleet_max_runs, self.max_staleness)
 
     @property
     def run_slots(self) -> int:
         """LoRA slots one run of this staleness reserves on every replica."""
-        return self.max_staleness + 2
+        return run_slots(self.max_staleness)
 
     @computed_field  # type: ignore[prop-decorator]
     @cached_property

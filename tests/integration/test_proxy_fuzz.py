@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, settings
 from lorafleet.settings import load_settings
 from lorafleet.vllm_api import PROXY_UPSTREAM_HEADER as UPSTREAM_HEADER
 from lorafleet_proxy.app import BearerAuth, create_app
-from lorafleet_proxy.requests import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from lorafleet_proxy.schemas import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pydantic import BaseModel, ValidationError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

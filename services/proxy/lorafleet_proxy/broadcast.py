@@ -13,42 +13,50 @@ of a rebind) changes the ledger first, so a write failure there leaves the repli
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from lorafleet.adapters import AdapterNameError, AdapterPathError, check_adapter_name, confine
 from lorafleet.ledger_file import Entry, LedgerState, fingerprint
 from lorafleet.runs import DEFAULT_RUN
-from lorafleet.vllm_api import VLLMError, VLLMUnreachable, error_body
+from lorafleet.vllm_api import VLLMError, VLLMUnreachable
 
+from .errors import adapter_not_found, error, ledger_failed, no_ready_replica, rebuilding, relay
 from .fleet import Fleet, Replica, State
-from .ledger import LedgerWriteError
 from .sync import load_until
 
 log = logging.getLogger("lorafleet.proxy.broadcast")
 
 PAUSE_MODES = ("abort", "wait", "keep")
 T = TypeVar("T")
+P = ParamSpec("P")
+Operation = Callable[Concatenate[Fleet, list[Replica], P], Awaitable[Response]]  # (fleet, targets, ...)
+Guarded = Callable[Concatenate[Fleet, P], Awaitable[Response]]  # (fleet, ...)
 
 
-def error(status: int, message: str, error_type: str, param: str | None = None) -> JSONResponse:
-    """A vLLM-style JSON error produced by the proxy itself."""
-    return JSONResponse(error_body(message, error_type, status, param), status_code=status)
+def guarded(*, needs_ready: bool = True) -> Callable[[Operation[P]], Guarded[P]]:
+    """The guard every fleet-wide change runs under: the fleet lock held (broadcasts never interleave with each
+    other or with a sync's final check), nothing done while the ledger is being rebuilt, and the ready replicas
+    as targets (a 503 when there are none, unless the operation `needs_ready=False`)."""
 
+    def wrap(operation: Operation[P]) -> Guarded[P]:
+        @functools.wraps(operation)
+        async def run(fleet: Fleet, *args: P.args, **kwargs: P.kwargs) -> Response:
+            async with fleet.broadcasting():
+                if fleet.ledger.rebuilding:
+                    return rebuilding(fleet)
+                targets = fleet.ready()
+                if needs_ready and not targets:
+                    return no_ready_replica(fleet)
+                return await operation(fleet, targets, *args, **kwargs)
 
-def relay(exc: VLLMError, context: str) -> JSONResponse:
-    """A replica's failure with its own status, type and message, plus what the proxy did about it."""
-    status = exc.status or 502
-    error_type = exc.error_type if exc.status else "BadGateway"
-    return error(status, f"{exc.message} [proxy: {context}]", error_type)
+        return run
 
-
-def no_ready_replica(fleet: Fleet) -> JSONResponse:
-    states = {replica.url: replica.state.value for replica in fleet.replicas.values()}
-    return error(503, f"no ready replica in the fleet: {states}", "ServiceUnavailable")
+    return wrap
 
 
 async def _each(
@@ -86,25 +94,6 @@ def _forget(fleet: Fleet, name: str, replicas: list[Replica]) -> None:
         replica.held.pop(name, None)
 
 
-def commit_state(fleet: Fleet, state: LedgerState) -> LedgerWriteError | None:
-    """Persist `state` as the ledger; the error (counted) when it could not be written."""
-    try:
-        fleet.ledger.commit(state)
-    except LedgerWriteError as exc:
-        fleet.metrics.ledger_write_failures.inc()
-        return exc
-    return None
-
-
-def ledger_failed(exc: LedgerWriteError, undone: str) -> JSONResponse:
-    return error(500, f"{exc}; {undone}", "LedgerWriteError")
-
-
-def rebuilding(fleet: Fleet) -> JSONResponse:
-    return error(503, f"the fleet ledger is being rebuilt from the replicas (the file was unusable: "
-                 f"{fleet.ledger.unreadable_reason}); retry once a replica answers", "ServiceUnavailable")
-
-
 # --- load ------------------------------------------------------------------------------------------
 def _check_load_request(fleet: Fleet, body: dict[str, Any]) -> tuple[str, str] | JSONResponse:
     name, path = body.get("lora_name"), body.get("lora_path")
@@ -128,51 +117,52 @@ async def load_adapter(fleet: Fleet, body: dict[str, Any], run: str = DEFAULT_RU
     known name is a rebind (unload everywhere, reset prefix caches, load), never "already loaded".
 
     `body["lora_name"]` is the fleet-unique name of `run`'s adapter; `admit` (under the fleet lock, before any
-    replica is touched) may register the run in the state it is given, or refuse the load (runs.py)."""
+    replica is touched) may register the run in the state it is given, or refuse the load (runs)."""
     checked = _check_load_request(fleet, body)
     if isinstance(checked, JSONResponse):
         return checked
     name, path = checked
     entry = Entry(path, await asyncio.to_thread(fingerprint, path), run)
-    async with fleet.broadcasting():
-        if fleet.ledger.rebuilding:
-            return rebuilding(fleet)
-        targets = fleet.ready()
-        if not targets:
-            return no_ready_replica(fleet)
-        planned = fleet.ledger.state()
-        if admit is not None and (refusal := admit(planned)) is not None:
-            return refusal
-        known = fleet.ledger.get(name)
-        if (known is not None and not _same(known, entry)) or any(
-                name in r.held and not r.holds(name, entry) for r in targets):
-            rebound = await _rebind(fleet, name, targets)
-            if rebound is not None:
-                return rebound
-        todo = [replica for replica in targets if replica.state is State.READY and not replica.holds(name, entry)]
-        deadline = time.monotonic() + fleet.settings.proxy_lora_load_timeout_s
-        results = await _each(fleet, todo, lambda replica: _load_one(replica, name, path, deadline))
-        loaded = [replica for replica, result in results if not isinstance(result, VLLMError)]
-        failed = _failures(results)
-        if failed:
-            return await _roll_back(fleet, name, loaded, failed, len(targets))
-        if not entry.fingerprint:  # the volume may have caught up while the replicas retried
-            entry = Entry(path, await asyncio.to_thread(fingerprint, path), run)
-        if not entry.fingerprint and known is not None and known.path == path:
-            entry = known  # unreadable here now: keep what the ledger knew
-        state = fleet.ledger.state()
-        state.runs = planned.runs
-        state.adapters.pop(name, None)
-        state.adapters[name] = entry
-        if not state.same_as(fleet.ledger.state()) and (exc := commit_state(fleet, state)) is not None:
-            await _unload_from(fleet, name, loaded, "rollback after a failed ledger write")
-            return ledger_failed(exc, f"the load of {name!r} was rolled back on {len(loaded)} replica(s)")
-        for replica in fleet.ready():
-            replica.adapters[name] = path
-            replica.held[name] = entry
-        log.info("load ok name=%s path=%s fingerprint=%s replicas=%d (already there: %d)", name, path,
-                 entry.fingerprint or "-", len(targets), len(targets) - len(todo))
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+    return await _load(fleet, name, entry, admit)
+
+
+@guarded()
+async def _load(fleet: Fleet, targets: list[Replica], name: str, entry: Entry,
+                admit: Callable[[LedgerState], JSONResponse | None] | None) -> Response:
+    path, run = entry.path, entry.run
+    planned = fleet.ledger.state()
+    if admit is not None and (refusal := admit(planned)) is not None:
+        return refusal
+    known = fleet.ledger.get(name)
+    if (known is not None and not _same(known, entry)) or any(
+            name in r.held and not r.holds(name, entry) for r in targets):
+        rebound = await _rebind(fleet, name, targets)
+        if rebound is not None:
+            return rebound
+    todo = [replica for replica in targets if replica.state is State.READY and not replica.holds(name, entry)]
+    deadline = time.monotonic() + fleet.settings.proxy_lora_load_timeout_s
+    results = await _each(fleet, todo, lambda replica: _load_one(replica, name, path, deadline))
+    loaded = [replica for replica, result in results if not isinstance(result, VLLMError)]
+    failed = _failures(results)
+    if failed:
+        return await _roll_back(fleet, name, loaded, failed, len(targets))
+    if not entry.fingerprint:  # the volume may have caught up while the replicas retried
+        entry = Entry(path, await asyncio.to_thread(fingerprint, path), run)
+    if not entry.fingerprint and known is not None and known.path == path:
+        entry = known  # unreadable here now: keep what the ledger knew
+    state = fleet.ledger.state()
+    state.runs = planned.runs
+    state.adapters.pop(name, None)
+    state.adapters[name] = entry
+    if not state.same_as(fleet.ledger.state()) and (exc := fleet.commit(state)) is not None:
+        await _unload_from(fleet, name, loaded, "rollback after a failed ledger write")
+        return ledger_failed(exc, f"the load of {name!r} was rolled back on {len(loaded)} replica(s)")
+    for replica in fleet.ready():
+        replica.adapters[name] = path
+        replica.held[name] = entry
+    log.info("load ok name=%s path=%s fingerprint=%s replicas=%d (already there: %d)", name, path,
+             entry.fingerprint or "-", len(targets), len(targets) - len(todo))
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
 def _same(known: Entry, entry: Entry) -> bool:
@@ -228,12 +218,12 @@ async def _rebind(fleet: Fleet, name: str, targets: list[Replica]) -> JSONRespon
     previous = fleet.ledger.state()
     without = previous.copy()
     without.adapters.pop(name, None)
-    if not without.same_as(previous) and (exc := commit_state(fleet, without)) is not None:
+    if not without.same_as(previous) and (exc := fleet.commit(without)) is not None:
         return ledger_failed(exc, f"nothing was changed on the replicas (rebinding {name!r})")
     unloaded = await _each(fleet, targets, lambda replica: replica.client.unload_lora_adapter(name))
     broken = [(replica, result) for replica, result in _failures(unloaded) if result.status != 404]
     if broken and len(broken) == len(unloaded):
-        commit_state(fleet, previous)
+        fleet.commit(previous)
         return relay(broken[0][1], f"unloading {name!r} before rebinding it failed on every replica")
     for replica, result in broken:
         fleet.resync(replica, f"unload of {name} before rebinding failed: {result}")
@@ -258,33 +248,34 @@ async def unload_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
         check_adapter_name(name)
     except AdapterNameError as exc:
         return error(400, str(exc), "InvalidUserInput")
-    async with fleet.broadcasting():
-        if fleet.ledger.rebuilding:
-            return rebuilding(fleet)
-        previous = fleet.ledger.state()
-        in_ledger = name in previous.adapters
-        if in_ledger:
-            without = previous.copy()
-            del without.adapters[name]
-            if (exc := commit_state(fleet, without)) is not None:
-                return ledger_failed(exc, f"{name!r} was not unloaded from any replica")
-        targets = fleet.ready()
-        results = await _each(fleet, targets, lambda replica: replica.client.unload_lora_adapter(name))
-        removed = [replica for replica, result in results if not isinstance(result, VLLMError)]
-        absent = [replica for replica, result in _failures(results) if result.status == 404]
-        broken = [(replica, exc) for replica, exc in _failures(results) if exc.status != 404]
-        if broken and not removed and not absent:
-            if in_ledger and (exc := commit_state(fleet, previous)) is not None:
-                log.error("unload name=%s failed everywhere and the ledger could not be restored: %s", name, exc)
-            return relay(broken[0][1], f"unload of {name!r} failed on every replica ({len(broken)}); "
-                         "nothing changed")
-        _forget(fleet, name, removed + absent)
-        for replica, exc in broken:
-            fleet.resync(replica, f"unload of {name} failed: {exc}")  # it re-syncs to the ledger without it
-        if not removed and not in_ledger and not broken:
-            return error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
-        log.info("unload ok name=%s replicas=%d resyncing=%d", name, len(removed), len(broken))
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+    return await _unload(fleet, name)
+
+
+@guarded(needs_ready=False)
+async def _unload(fleet: Fleet, targets: list[Replica], name: str) -> Response:
+    previous = fleet.ledger.state()
+    in_ledger = name in previous.adapters
+    if in_ledger:
+        without = previous.copy()
+        del without.adapters[name]
+        if (exc := fleet.commit(without)) is not None:
+            return ledger_failed(exc, f"{name!r} was not unloaded from any replica")
+    results = await _each(fleet, targets, lambda replica: replica.client.unload_lora_adapter(name))
+    removed = [replica for replica, result in results if not isinstance(result, VLLMError)]
+    absent = [replica for replica, result in _failures(results) if result.status == 404]
+    broken = [(replica, exc) for replica, exc in _failures(results) if exc.status != 404]
+    if broken and not removed and not absent:
+        if in_ledger and (exc := fleet.commit(previous)) is not None:
+            log.error("unload name=%s failed everywhere and the ledger could not be restored: %s", name, exc)
+        return relay(broken[0][1], f"unload of {name!r} failed on every replica ({len(broken)}); "
+                     "nothing changed")
+    _forget(fleet, name, removed + absent)
+    for replica, exc in broken:
+        fleet.resync(replica, f"unload of {name} failed: {exc}")  # it re-syncs to the ledger without it
+    if not removed and not in_ledger and not broken:
+        return adapter_not_found(name)
+    log.info("unload ok name=%s replicas=%d resyncing=%d", name, len(removed), len(broken))
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 # --- pause / resume / caches -----------------------------------------------------------------------
@@ -303,57 +294,53 @@ async def pause(fleet: Fleet, mode: str) -> Response:
     does), the replicas that paused are put back in the fleet's previous state and the failure reported."""
     if mode not in PAUSE_MODES:
         return error(400, f"Input should be 'abort', 'wait' or 'keep' (got {mode!r})", "Bad Request", "query.mode")
-    async with fleet.broadcasting():
-        if fleet.ledger.rebuilding:
-            return rebuilding(fleet)
-        targets = fleet.ready()
-        if not targets:
-            return no_ready_replica(fleet)
-        previous = fleet.ledger.paused
-        results = await _each(fleet, targets, lambda replica: replica.client.pause(mode))  # type: ignore[arg-type]
-        paused = [replica for replica, result in results if not isinstance(result, VLLMError)]
-        failed = _failures(results)
-        if failed:
-            if previous is None:
-                await _set_pause(fleet, paused, None, "resume after a partial pause failed")
-            fleet.metrics.rollbacks.labels("pause").inc()
-            context = (f"pause failed on {len(failed)}/{len(targets)} replica(s); the {len(paused)} paused are "
-                       f"back to the fleet's previous state ({'paused' if previous else 'running'})")
-            log.warning("pause failed mode=%s %s: %s", mode, context, failed[0][1])
-            return relay(failed[0][1], context)
-        state = fleet.ledger.state()
-        state.paused = mode
-        if (exc := commit_state(fleet, state)) is not None:
-            if previous is None:
-                await _set_pause(fleet, paused, None, "resume after a failed ledger write")
-            return ledger_failed(exc, "the replicas are back to the fleet's previous pause state")
-        log.info("pause ok mode=%s replicas=%d", mode, len(targets))
-        return JSONResponse({"status": "paused"})
+    return await _pause(fleet, mode)
 
 
-async def resume(fleet: Fleet) -> Response:
+@guarded()
+async def _pause(fleet: Fleet, targets: list[Replica], mode: str) -> Response:
+    previous = fleet.ledger.paused
+    results = await _each(fleet, targets, lambda replica: replica.client.pause(mode))  # type: ignore[arg-type]
+    paused = [replica for replica, result in results if not isinstance(result, VLLMError)]
+    failed = _failures(results)
+    if failed:
+        if previous is None:
+            await _set_pause(fleet, paused, None, "resume after a partial pause failed")
+        fleet.metrics.rollbacks.labels("pause").inc()
+        context = (f"pause failed on {len(failed)}/{len(targets)} replica(s); the {len(paused)} paused are "
+                   f"back to the fleet's previous state ({'paused' if previous else 'running'})")
+        log.warning("pause failed mode=%s %s: %s", mode, context, failed[0][1])
+        return relay(failed[0][1], context)
+    state = fleet.ledger.state()
+    state.paused = mode
+    if (exc := fleet.commit(state)) is not None:
+        if previous is None:
+            await _set_pause(fleet, paused, None, "resume after a failed ledger write")
+        return ledger_failed(exc, "the replicas are back to the fleet's previous pause state")
+    log.info("pause ok mode=%s replicas=%d", mode, len(targets))
+    return JSONResponse({"status": "paused"})
+
+
+@guarded(needs_ready=False)
+async def resume(fleet: Fleet, targets: list[Replica]) -> Response:
     """Resume every ready replica and record it in the ledger. If every replica fails, nothing changes and
     the error is returned; one that fails alone leaves traffic and re-syncs (which resumes it)."""
-    async with fleet.broadcasting():
-        if fleet.ledger.rebuilding:
-            return rebuilding(fleet)
-        previous = fleet.ledger.paused
-        targets = fleet.ready()
-        results = await _each(fleet, targets, lambda replica: replica.client.resume())
-        resumed = [replica for replica, result in results if not isinstance(result, VLLMError)]
-        failed = _failures(results)
-        if failed and not resumed:
-            return relay(failed[0][1], f"resume failed on every replica ({len(results)}); the fleet stays "
-                         f"{'paused' if previous else 'running'}")
-        state = fleet.ledger.state()
-        state.paused = None
-        if (exc := commit_state(fleet, state)) is not None:
-            await _set_pause(fleet, resumed, previous, "pause again after a failed ledger write")
-            return ledger_failed(exc, "the replicas are back to the fleet's previous pause state")
-        for replica, exc in failed:
-            fleet.resync(replica, f"resume failed: {exc}")
-        log.info("resume ok replicas=%d resyncing=%d", len(resumed), len(failed))
-        return JSONResponse({"status": "resumed"})
+    previous = fleet.ledger.paused
+    results = await _each(fleet, targets, lambda replica: replica.client.resume())
+    resumed = [replica for replica, result in results if not isinstance(result, VLLMError)]
+    failed = _failures(results)
+    if failed and not resumed:
+        return relay(failed[0][1], f"resume failed on every replica ({len(results)}); the fleet stays "
+                     f"{'paused' if previous else 'running'}")
+    state = fleet.ledger.state()
+    state.paused = None
+    if (exc := fleet.commit(state)) is not None:
+        await _set_pause(fleet, resumed, previous, "pause again after a failed ledger write")
+        return ledger_failed(exc, "the replicas are back to the fleet's previous pause state")
+    for replica, exc in failed:
+        fleet.resync(replica, f"resume failed: {exc}")
+    log.info("resume ok replicas=%d resyncing=%d", len(resumed), len(failed))
+    return JSONResponse({"status": "resumed"})
 
 
 async def post_everywhere(fleet: Fleet, path: str, params: dict[str, str]) -> list[tuple[Replica, Any]]:

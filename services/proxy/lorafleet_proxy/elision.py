@@ -14,12 +14,7 @@ from __future__ import annotations
 from lorafleet.runs import DEFAULT_RUN
 from starlette.types import Scope
 
-# BearerAuth sets this key in the scope of every request that came in on the public port.
-PUBLIC_PORT_SCOPE_KEY = "lorafleet.public_port"
-
-
-def on_public_port(scope: Scope) -> bool:
-    return bool(scope.get(PUBLIC_PORT_SCOPE_KEY))
+from .auth import on_public_port
 
 
 class PauseElision:

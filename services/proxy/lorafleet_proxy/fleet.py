@@ -1,13 +1,27 @@
-"""Fleet membership and health: which replicas exist, which are ready, and the supervised loops that watch them.
+"""A replica's whole life in the fleet, and the supervised loops that watch it.
 
-A replica is `joining` until its /health answers 200, then `syncing` (see `sync`) until it holds
-exactly the ledger and matches the fleet's pause state, then `ready`: only ready replicas get
-traffic and take part in broadcasts. When it misbehaves it is ejected and re-syncs once it answers:
-- connection refused or reset (it died): ejected at once;
-- /health timing out (busy, or hung): ejected only once timeouts have lasted PROXY_EJECT_SLOW_AFTER_S;
-- a bad status or a malformed answer: ejected after PROXY_EJECT_AFTER such checks in a row.
-A ready replica whose adapters or pause state stop matching the ledger (it restarted) goes back to
-syncing. Ejection and re-sync drop the replica's routing ownership: its cache is gone.
+    discovered -> joining --/health 200--> syncing: warm-up, then catch-up --> ready --misbehaves--> ejected
+                                              ^                                 |                      |
+                                              +---- adapters/pause differ -----+   answers again ------+
+
+- joining: discovered (static list or DNS) until its /health answers 200.
+- syncing, first the warm-up (`warm_up`): one greedy token of the base model. /health answers 200 as soon as
+  vLLM's API server is up, which is not the same as generating: an engine can fail at its first request (vLLM's
+  CPU sampler compiles through torch inductor and needs a C++ compiler), and on CPU the first requests compile
+  for tens of seconds. A replica that cannot generate stays out of traffic with its own error in `last_error`
+  and `generates: false` in GET /fleet; the warm-up also pays the first-request compile before any rollout or
+  probe waits on it. It has its own bound (WARM_UP_TIMEOUT_S), apart from the loads' deadline.
+- syncing, then the catch-up (sync.py): it loads the ledger's adapters, matches the fleet's pause state and marks
+  the replica ready, within PROXY_LORA_LOAD_TIMEOUT_S. A failed warm-up or catch-up is retried by the health
+  loop after a backoff that doubles up to PROXY_SYNC_BACKOFF_MAX_S.
+- ready: only ready replicas get traffic and take part in broadcasts. Every health round reconciles it: a replica
+  whose adapters or pause state stop matching the ledger (it restarted) goes back to syncing.
+- ejected, when it misbehaves; it re-syncs once it answers again:
+  - connection refused or reset (it died): at once;
+  - /health timing out (busy, or hung): only once timeouts have lasted PROXY_EJECT_SLOW_AFTER_S;
+  - a bad status or a malformed answer: after PROXY_EJECT_AFTER such checks in a row.
+  Ejection and re-sync drop the replica's routing ownership: its cache is gone.
+- removed: no longer discovered; its pool closes once its requests are done.
 
 The health loop is supervised: each replica's check is isolated (a malformed answer fails that
 replica's check with `last_error` set), and anything unexpected is logged and counted
@@ -34,13 +48,49 @@ from .ledger import Ledger, LedgerWriteError
 from .metrics import Metrics
 from .replica import Replica, State, upstream_pool
 from .router import Router
-from .sync import mismatch, sync
+from .sync import catch_up, mismatch
 
 log = logging.getLogger("lorafleet.proxy.fleet")
 
 __all__ = ["Fleet", "Replica", "State"]
 
 Failure = Literal["refused", "timeout", "status", "malformed"]
+
+WARM_UP_PROMPT = "Hello"
+# The warm-up's own bound, apart from PROXY_LORA_LOAD_TIMEOUT_S (a deadline for adapter loads): vLLM's first request
+# on CPU compiles for tens of seconds, minutes on a busy 2-core box. A hung replica is ejected by the health loop,
+# which cancels its sync, long before this.
+WARM_UP_TIMEOUT_S = 600.0
+
+
+class CannotGenerate(VLLMError):
+    """The replica answers /health but failed the one-token warm-up completion; keeps the replica's own error."""
+
+    def __init__(self, cause: VLLMError) -> None:
+        super().__init__(cause.status, f"cannot generate: {cause.message}", cause.error_type, cause.body)
+
+
+async def warm_up(replica: Replica, deadline: float) -> None:
+    """One greedy token of the base model before `deadline`; raises CannotGenerate when it fails.
+
+    A paused replica queues new requests until it is resumed, so it is not asked: it was admitted (and so
+    generated) before the pause, and the catch-up applies the fleet's pause state next.
+    """
+    if await replica.client.is_paused():
+        log.info("warm-up skipped url=%s: the replica is paused", replica.url)
+        return
+    base = next(card.id for card in await replica.client.models() if card.parent is None)
+    started = time.monotonic()
+    try:
+        await replica.client.completions({"model": base, "prompt": WARM_UP_PROMPT, "max_tokens": 1,
+                                          "temperature": 0.0}, timeout=max(deadline - started, 1.0))
+    except VLLMUnreachable:
+        raise  # no answer at all: the health loop's business, not a verdict on generation
+    except VLLMError as exc:
+        replica.generates = False
+        raise CannotGenerate(exc) from exc
+    replica.generates = True
+    log.info("warm-up done url=%s model=%s seconds=%.2f", replica.url, base, time.monotonic() - started)
 
 
 class Fleet:
@@ -55,7 +105,7 @@ class Fleet:
         self.transport = transport  # None = the network; tests pass an in-process transport
         self.replicas: dict[str, Replica] = {}
         self.lock = asyncio.Lock()  # held by broadcasts and by a sync's final check: one consistent ledger view
-        self.generation = 0  # bumped when a broadcast starts and ends: a snapshot read meanwhile is stale
+        self.broadcast_epoch = 0  # bumped when a broadcast starts and ends: a snapshot read meanwhile is stale
         self.heartbeat = 0.0  # monotonic time of the last completed health round
         self._retired: list[Replica] = []  # removed replicas whose pools close once their requests are done
         self._cancelled: set[asyncio.Task[None]] = set()
@@ -64,13 +114,22 @@ class Fleet:
 
     @contextlib.asynccontextmanager
     async def broadcasting(self) -> AsyncIterator[None]:
-        """Hold the lock for a fleet-wide change; the generation moves on at both ends."""
+        """Hold the lock for a fleet-wide change; the broadcast epoch moves on at both ends."""
         async with self.lock:
-            self.generation += 1
+            self.broadcast_epoch += 1
             try:
                 yield
             finally:
-                self.generation += 1
+                self.broadcast_epoch += 1
+
+    def commit(self, state: LedgerState) -> LedgerWriteError | None:
+        """Persist `state` as the ledger; the error (counted) when it could not be written."""
+        try:
+            self.ledger.commit(state)
+        except LedgerWriteError as exc:
+            self.metrics.ledger_write_failures.inc()
+            return exc
+        return None
 
     # --- membership ------------------------------------------------------------------------------
     def ready(self) -> list[Replica]:
@@ -233,14 +292,14 @@ class Fleet:
 
     async def _reconcile(self, replica: Replica) -> None:
         """Compare a ready replica's adapters and pause state with the ledger (a restarted replica lost both)."""
-        generation = self.generation
+        epoch = self.broadcast_epoch
         listed = await replica.client.loaded_adapters()
         paused = await replica.client.is_paused()
         with contextlib.suppress(VLLMError, ValueError):
             text = await replica.client.metrics()
             replica.engine_queue = int(metric_total(text, "vllm:num_requests_running")
                                        + metric_total(text, "vllm:num_requests_waiting"))
-        if self.lock.locked() or generation != self.generation or replica.state is not State.READY:
+        if self.lock.locked() or epoch != self.broadcast_epoch or replica.state is not State.READY:
             return  # a broadcast ran (or runs) meanwhile: this snapshot may predate it
         replica.observe(listed)
         problem = mismatch(replica, listed, paused, self.ledger.entries(), self.ledger.paused)
@@ -259,7 +318,38 @@ class Fleet:
     async def _sync_after(self, previous: asyncio.Task[None] | None, replica: Replica) -> None:
         if previous is not None:
             await asyncio.wait({previous})  # a cancelled sync finishes before the next one touches the replica
-        await sync(self, replica)
+        await self._admit(replica)
+
+    async def _admit(self, replica: Replica) -> None:
+        """syncing: the warm-up, then the catch-up, each within its own bound; ready at the end, or left syncing
+        with `last_error` set and the next try after a backoff."""
+        replica.state = State.SYNCING
+        self.router.forget_replica(replica.url)
+        stage, limit = "warm-up", WARM_UP_TIMEOUT_S
+        try:
+            async with asyncio.timeout(limit):  # its own bound: a first request compiles on CPU, loads do not
+                replica.info = await replica.client.server_info()
+                self.adopt_block_size(replica)
+                await warm_up(replica, time.monotonic() + limit)
+            stage, limit = "sync", self.settings.proxy_lora_load_timeout_s
+            async with asyncio.timeout(limit):
+                started = time.monotonic()
+                await catch_up(self, replica, started + limit)
+                if replica.state is State.READY:
+                    self.metrics.replica_sync_seconds.observe(time.monotonic() - started)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure of one replica's sync stays with that replica
+            reason = f"{stage} did not finish within {limit:.0f}s" if isinstance(exc, TimeoutError) else f"sync: {exc}"
+            if not isinstance(exc, VLLMError | TimeoutError):
+                reason = f"sync: malformed reply: {type(exc).__name__}: {exc}"
+                self.metrics.loop_errors.labels("sync").inc()
+            replica.sync_failures += 1
+            backoff = min(self.settings.proxy_health_interval_s * 2 ** replica.sync_failures,
+                          self.settings.proxy_sync_backoff_max_s)
+            replica.next_sync_at = time.monotonic() + backoff
+            replica.last_error = reason
+            log.warning("replica sync failed url=%s error=%s (retried in %.1fs)", replica.url, reason, backoff)
 
     def _cancel_sync(self, replica: Replica) -> None:
         task = replica.sync_task

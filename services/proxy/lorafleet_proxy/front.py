@@ -29,10 +29,10 @@ bytes reached the client, the proxy aborts the client's connection (no terminati
 client sees an incomplete response, never a clean end. In-flight accounting wraps the whole exchange
 in try/finally, so a client that goes away at any point never leaks a count.
 
-Runs (runs.py): a request under `/runs/<run>/` is served as the same route without the prefix, for that
-run: its `model` is mapped to the run's fleet-unique adapter name and back in the answer, it waits while
-its run is paused, and, while several runs share the fleet, it takes its turn in the fair-share queue
-(fairshare.py). A single-run fleet pays one set lookup for all of that.
+Runs (the `runs` package decides; the front asks): a request under `/runs/<run>/` is served as the same route
+without the prefix, for that run: its `model` is mapped to the run's fleet-unique adapter name and back in the
+answer (`NameMap`), and, while several runs share the fleet, it waits while its run is paused and takes its turn
+in the fair-share queue (`Runs.turn`). A single-run fleet pays one set lookup for all of that.
 """
 
 from __future__ import annotations
@@ -45,19 +45,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from lorafleet.runs import DEFAULT_RUN, RUN_URL_PREFIX, RunNameError, qualify
+from lorafleet.runs import RunNameError
 from lorafleet.vllm_api import PROXY_UPSTREAM_HEADER
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .broadcast import error, no_ready_replica
-from .elision import on_public_port
-from .fairshare import FairShare, estimate_tokens, prompt_tokens
+from .errors import bad_request, error, model_not_found, no_ready_replica
 from .fleet import Failure, Fleet
 from .metrics import Metrics
 from .replica import KEEPALIVE_EXPIRY_S, Replica
 from .router import BadPrompt, Prompt, Router
-from .runs import RUN_SCOPE_KEY, Runs, split_run_path
+from .runs import NameMap, Runs
 from .upstream import Answer, ConnectRefused, ConnectTimeout, Pool, ReadTimeout, UpstreamError
 
 log = logging.getLogger("lorafleet.proxy.front")
@@ -70,9 +68,6 @@ PASSED_RESPONSE_HEADERS = ("content-type", "x-request-id")
 CONNECT_TIMEOUT_S = 10.0
 
 
-Rename = tuple[bytes, bytes] | None  # (fleet-unique name, the run's own name) to write back in answers
-
-
 class StreamBroken(Exception):
     """A replica's stream broke after bytes reached the client: raised so the server aborts the connection."""
 
@@ -83,10 +78,6 @@ class Failed:
 
     response: Response
     retry: bool
-
-
-def bad_request(message: str, param: str | None = None) -> Response:
-    return error(400, message, "Bad Request", param)
 
 
 def parse(raw: bytes) -> dict[str, Any] | Response:
@@ -177,11 +168,10 @@ class Front:
     generation and read-only routes itself and passes the rest to `app` (FastAPI's stack)."""
 
     def __init__(self, app: ASGIApp, fleet: Fleet, router: Router, metrics: Metrics, upstreams: Upstreams,
-                 max_body_bytes: int, routes: Iterable[str], runs: Runs, fair: FairShare) -> None:
+                 max_body_bytes: int, routes: Iterable[str], runs: Runs) -> None:
         self.app = app
         self.fleet = fleet
         self.runs = runs
-        self.fair = fair
         self.router = router
         self.metrics = metrics
         self.upstreams = upstreams
@@ -204,15 +194,13 @@ class Front:
                 status = message["status"]
             await send(message)
 
-        if scope["path"].startswith(RUN_URL_PREFIX):
+        if self.runs.under_prefix(scope):
             try:
-                run, path = split_run_path(scope["path"])
+                scope = self.runs.enter(scope)
             except RunNameError as exc:
                 await error(404, str(exc), "NotFoundError")(scope, receive, record)
                 self.metrics.count_request("other", 404)
                 return
-            scope = {**scope, "path": path, "raw_path": path.encode(), RUN_SCOPE_KEY: run}
-            self.runs.touch(run)
         try:
             await self.serve(scope, receive, record)
         finally:
@@ -242,63 +230,26 @@ class Front:
             await bad_request(str(exc), exc.param)(scope, receive, send)
             return
         model: str = body.get("model") or ""
-        run: str = scope.get(RUN_SCOPE_KEY, DEFAULT_RUN)
-        adapter, rename = model, None
-        if run != DEFAULT_RUN or model in self.runs.foreign:
-            scoped = self.scoped_adapter(scope, run, model)
-            if scoped is None:  # another run's adapter: as if it did not exist
-                await error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")(scope, receive, send)
-                return
-            if scoped != model:
-                adapter, rename = scoped, (scoped.encode(), model.encode())
-                raw = orjson.dumps({**body, "model": scoped})
+        resolved = self.runs.resolve(scope, model)
+        if resolved is None:  # another run's adapter: as if it did not exist
+            await model_not_found(model)(scope, receive, send)
+            return
+        adapter, names = resolved
+        if names is not None:
+            raw = orjson.dumps({**body, "model": adapter})
         stream = body.get("stream") is True
         if not self.runs.shared:
-            await self.relay(scope, raw, receive, send, adapter, prompts, stream, model, rename)
-        else:
-            await self.relay_for_run(scope, raw, receive, send, run, body, adapter, prompts, stream, rename)
-
-    def scoped_adapter(self, scope: Scope, run: str, model: str) -> str | None:
-        """The fleet-unique name `run` means by `model` (the base model and unknown names as given); None
-        for another run's adapter (named runs see only theirs; the default run too, but on the public port)."""
-        if run != DEFAULT_RUN and model:
-            qualified = qualify(run, model)
-            if self.fleet.ledger.get(qualified) is not None:
-                return qualified
-        if model in self.runs.foreign and (run != DEFAULT_RUN or not on_public_port(scope)):
-            return None
-        return model
-
-    async def relay_for_run(self, scope: Scope, raw: bytes, receive: Receive, send: Send, run: str,
-                            body: dict[str, Any], adapter: str, prompts: list[Prompt], stream: bool,
-                            rename: Rename) -> None:
-        """Several runs share the fleet: wait while the run is paused, take a fair-share turn, count tokens."""
-        live = self.runs.get(run)
-        if not live.running.is_set():
-            await live.running.wait()  # the run's pause holds its requests here, never on the replicas
-        prompt = prompt_tokens(body)
-        estimate = estimate_tokens(body, prompt)
-        live.inflight += 1
-        live.requests += 1
-        answers: list[bytes] = []
-        try:
-            waited = await self.fair.enter(run, self.runs.weight(run), estimate)
-            self.metrics.run_queue_wait.labels(run).observe(waited)
-            try:
-                await self.relay(scope, raw, receive, send, adapter, prompts, stream, body.get("model") or "",
-                                 rename, answers)
-            finally:
-                generated = self.runs.count_tokens(live, answers[0] if answers else b"")
-                self.fair.leave(run, estimate, None if generated is None else prompt + generated)
-        finally:
-            live.inflight -= 1
+            await self.relay(scope, raw, receive, send, adapter, prompts, stream, model, names)
+            return
+        async with self.runs.turn(self.runs.of(scope), body) as answers:
+            await self.relay(scope, raw, receive, send, adapter, prompts, stream, model, names, answers)
 
     async def relay(self, scope: Scope, raw: bytes, receive: Receive, send: Send, adapter: str = "",
                     prompts: list[Prompt] | None = None, stream: bool = False, shown: str = "",
-                    rename: Rename = None, answers: list[bytes] | None = None) -> None:
+                    names: NameMap | None = None, answers: list[bytes] | None = None) -> None:
         """Relay to one candidate replica, retrying on another; `prompts` None: the least loaded, no routing.
 
-        `shown`: the model as the client named it; `rename`: names to write back; `answers` gets the body of a
+        `shown`: the model as the client named it; `names`: the run's names to write back; `answers` gets the body of a
         non-streamed answer (token counts)."""
         path: str = scope["path"]
         url = path + ("?" + scope["query_string"].decode("latin-1") if scope["query_string"] else "")
@@ -316,15 +267,14 @@ class Front:
                 replica = self.fleet.replicas[decision.replica]
             tried.add(replica.url)
             failed = await self.attempt(replica, scope["method"], path, url, raw, stream, held, send, receive,
-                                        rename, answers)
+                                        names, answers)
             if failed is None:
                 return
             last = failed.response
             if not failed.retry:
                 break
         if last is None:
-            last = no_ready_replica(self.fleet) if not self.fleet.ready() else error(
-                404, f"The model `{shown or adapter}` does not exist.", "NotFoundError", "model")
+            last = no_ready_replica(self.fleet) if not self.fleet.ready() else model_not_found(shown or adapter)
         await last(scope, receive, send)
 
     def candidates(self, adapter: str, tried: set[str]) -> tuple[list[Replica], bool]:
@@ -338,7 +288,7 @@ class Front:
         return [replica for replica in ready if serves_base(replica, adapter)], False
 
     async def attempt(self, replica: Replica, method: str, path: str, url: str, raw: bytes, stream: bool,
-                      held: bool, send: Send, receive: Receive, rename: Rename = None,
+                      held: bool, send: Send, receive: Receive, names: NameMap | None = None,
                       answers: list[bytes] | None = None) -> Failed | None:
         """One exchange with one replica; None once the client has its answer, else why it failed."""
         replica.inflight += 1
@@ -351,8 +301,8 @@ class Front:
             if status >= 500 or status == 404 or not stream:
                 content = await answer.read()
                 self.latencies[path].observe(time.perf_counter() - started)
-                if rename is not None:
-                    content = content.replace(*rename)
+                if names is not None:
+                    content = names.body(content)
                 if status >= 500 or (status == 404 and held and NOT_FOUND_MARK in content):
                     reason = "5xx" if status >= 500 else "404"
                     self.retries[reason].inc()
@@ -368,7 +318,7 @@ class Front:
                 return None
             self.latencies[path].observe(time.perf_counter() - started)
             await send({"type": "http.response.start", "status": status, "headers": self._headers(answer, replica)})
-            await self._relay_stream(answer, replica, path, send, receive, rename)
+            await self._relay_stream(answer, replica, path, send, receive, names)
             return None
         except ConnectTimeout as exc:  # slow to accept: ejected only if it lasts
             return self._transport_failure(replica, path, exc, "timeout")
@@ -387,19 +337,17 @@ class Front:
 
     @staticmethod
     async def _relay_stream(answer: Answer, replica: Replica, path: str, send: Send, receive: Receive,
-                            rename: Rename = None) -> None:
+                            names: NameMap | None = None) -> None:
         """Chunks as they come; a client that leaves stops the stream (the replica sees its connection close).
 
-        With `rename`, the tail that could be the start of a split name waits for the next chunk."""
-        keep = len(rename[0]) - 1 if rename is not None else 0
+        With `names`, the run's names are written back (`StreamRename` holds a tail that may be a split name)."""
+        renaming = names.stream() if names is not None else None
 
         async def relay() -> None:
-            pending = b""
             try:
                 async for chunk in answer.chunks():
-                    if rename is not None:
-                        pending = (pending + chunk).replace(*rename)
-                        chunk, pending = pending[: len(pending) - keep], pending[len(pending) - keep:]
+                    if renaming is not None:
+                        chunk = renaming.feed(chunk)
                         if not chunk:
                             continue
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -407,7 +355,7 @@ class Front:
                 log.warning("upstream %s broke a stream on %s: %s; aborting the client connection",
                             replica.url, path, exc)
                 raise StreamBroken(f"replica {replica.url} broke the stream: {exc}") from exc
-            await send({"type": "http.response.body", "body": pending})
+            await send({"type": "http.response.body", "body": renaming.flush() if renaming is not None else b""})
 
         async def client_left() -> None:
             while (await receive())["type"] != "http.disconnect":

@@ -1,20 +1,24 @@
 """The proxy's OpenAPI document (`GET /openapi.json`): what the proxy really accepts, on both ports.
 
-FastAPI describes the admin routes from their typed requests. The generation routes read their body
-themselves (no parsing cost on the hot path), so their documented bodies come from
-`requests.GENERATION_BODIES` through stand-in routes that exist only in the document. Validation
+FastAPI describes the admin routes from their typed requests. The routes the front relays itself (generation,
+the read-only helpers) are mounted as FastAPI routes too (`relayed_router`), so they are documented and the
+front knows them by path, but the front serves them before FastAPI sees them. The generation routes read their
+body themselves (no parsing cost on the hot path), so their documented bodies come from
+`schemas.GENERATION_BODIES` through stand-in routes that exist only in the document. Validation
 failures are documented as vLLM's 400 error body, not FastAPI's 422.
 """
 
 import inspect
 from typing import Any
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from .requests import GENERATION_BODIES
+from .errors import error
+from .front import READ_ONLY_ROUTES, ROUTES
+from .schemas import GENERATION_BODIES
 
 DESCRIPTION = (
     "One vLLM server (data_parallel_size 1) in front of a fleet of vLLM replicas. The fleet port needs no "
@@ -35,6 +39,19 @@ class ErrorResponse(BaseModel):
     """vLLM's error body, used for every error the proxy produces itself."""
 
     error: ErrorInfo
+
+
+async def relayed_route(request: Request) -> Response:
+    """vLLM's call, relayed to one replica: generation by prefix affinity, helpers to the least loaded."""
+    return error(500, f"{request.url.path} must be served by the proxy's front", "InternalServerError")
+
+
+def relayed_router() -> APIRouter:
+    """The routes the front relays to one replica, as FastAPI knows them (documentation, the front's route set)."""
+    router = APIRouter()
+    for path, method in [*((path, "POST") for path in ROUTES), *READ_ONLY_ROUTES.items()]:
+        router.add_api_route(path, relayed_route, methods=[method])
+    return router
 
 
 def _stand_in(model: type[BaseModel]) -> Any:

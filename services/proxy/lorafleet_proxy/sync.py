@@ -1,21 +1,15 @@
-"""Catch-up: bring one replica in line with the ledger (adapters, fingerprints, pause state), then mark it ready.
+"""Catch-up: bring one replica in line with the ledger (adapters, fingerprints, pause state).
 
-Ready means it generates: before anything else a sync asks the replica for one token of the base model. /health
-answers 200 as soon as vLLM's API server is up, which is not the same thing: an engine can fail at its first
-request (vLLM's CPU sampler compiles through torch inductor there and needs a C++ compiler), and on CPU the first
-requests compile for tens of seconds. A replica that cannot generate stays out of traffic with the replica's own
-error in `last_error` and `generates: false` in GET /fleet; the warm-up also pays the first-request compile before
-any rollout or probe waits on it.
+The replica's life around it (joining, the warm-up that proves it generates, ready, ejected) is told in fleet.py,
+which runs a catch-up as one stage of admitting a replica.
 
-A sync works without the fleet lock: it reads what the replica holds, unloads what the ledger does
+A catch-up works without the fleet lock: it reads what the replica holds, unloads what the ledger does
 not name (or names with other content), loads what is missing in ledger order, matches the fleet's
 pause state, and reads the replica's adapters once more after that last change. Only then does it
 take the lock, with no replica I/O inside, and mark the replica ready if that last read equals the
 ledger as it is now and the pause state is unchanged (broadcasts only touch ready replicas, so the
 read still holds; a broadcast that ran meanwhile may have changed the ledger, hence the comparison
-with the current one). Otherwise it starts over. The whole sync has a deadline
-(PROXY_LORA_LOAD_TIMEOUT_S); a sync
-that fails is retried by the health loop after a backoff that doubles up to PROXY_SYNC_BACKOFF_MAX_S.
+with the current one). Otherwise it starts over.
 """
 
 from __future__ import annotations
@@ -26,65 +20,23 @@ import time
 from typing import Protocol
 
 from lorafleet.ledger_file import Entry
-from lorafleet.settings import Settings
-from lorafleet.vllm_api import VLLMClient, VLLMError, VLLMUnreachable
+from lorafleet.vllm_api import VLLMClient, VLLMError
 
 from .ledger import Ledger
-from .metrics import Metrics
 from .replica import Replica, State
-from .router import Router
 
 
 class SyncFleet(Protocol):
-    """What a sync needs of the fleet (fleet.Fleet is one); a protocol, so sync does not import fleet."""
+    """What a catch-up needs of the fleet (fleet.Fleet is one); a protocol, so sync does not import fleet."""
 
-    settings: Settings
-    router: Router
     ledger: Ledger
-    metrics: Metrics
     lock: asyncio.Lock
 
-    def adopt_block_size(self, replica: Replica) -> None: ...
 
 log = logging.getLogger("lorafleet.proxy.sync")
 
 LOAD_RETRY_FIRST_S = 0.05
 LOAD_RETRY_MAX_S = 1.0
-WARM_UP_PROMPT = "Hello"
-# The warm-up's own bound, apart from PROXY_LORA_LOAD_TIMEOUT_S (a deadline for adapter loads): vLLM's first request
-# on CPU compiles for tens of seconds, minutes on a busy 2-core box. A hung replica is ejected by the health loop,
-# which cancels its sync, long before this.
-WARM_UP_TIMEOUT_S = 600.0
-
-
-class CannotGenerate(VLLMError):
-    """The replica answers /health but failed the one-token warm-up completion; keeps the replica's own error."""
-
-    def __init__(self, cause: VLLMError) -> None:
-        super().__init__(cause.status, f"cannot generate: {cause.message}", cause.error_type, cause.body)
-
-
-async def warm_up(replica: Replica, deadline: float) -> None:
-    """One greedy token of the base model before `deadline`; raises CannotGenerate when it fails.
-
-    A paused replica queues new requests until it is resumed, so it is not asked: it was admitted (and so
-    generated) before the pause, and the sync applies the fleet's pause state next.
-    """
-    if await replica.client.is_paused():
-        log.info("warm-up skipped url=%s: the replica is paused", replica.url)
-        return
-    base = next(card.id for card in await replica.client.models() if card.parent is None)
-    started = time.monotonic()
-    try:
-        await replica.client.completions({"model": base, "prompt": WARM_UP_PROMPT, "max_tokens": 1,
-                                          "temperature": 0.0}, timeout=max(deadline - started, 1.0))
-    except VLLMUnreachable:
-        raise  # no answer at all: the health loop's business, not a verdict on generation
-    except VLLMError as exc:
-        replica.generates = False
-        raise CannotGenerate(exc) from exc
-    replica.generates = True
-    log.info("warm-up done url=%s model=%s seconds=%.2f", replica.url, base, time.monotonic() - started)
 
 
 async def load_until(client: VLLMClient, name: str, path: str, deadline: float) -> str:
@@ -126,39 +78,9 @@ def mismatch(replica: Replica, listed: dict[str, str], paused: bool, wanted: dic
     return None
 
 
-async def sync(fleet: SyncFleet, replica: Replica) -> None:
-    """Sync `replica` to the ledger and mark it ready; on failure leave it syncing with `last_error` set."""
-    replica.state = State.SYNCING
-    fleet.router.forget_replica(replica.url)
-    timeout = fleet.settings.proxy_lora_load_timeout_s
-    stage, limit = "warm-up", WARM_UP_TIMEOUT_S
-    try:
-        async with asyncio.timeout(limit):  # its own bound: a first request compiles on CPU, loads do not
-            replica.info = await replica.client.server_info()
-            fleet.adopt_block_size(replica)
-            await warm_up(replica, time.monotonic() + limit)
-        stage, limit = "sync", timeout
-        async with asyncio.timeout(timeout):
-            started = time.monotonic()
-            await _sync(fleet, replica, started + timeout)
-            if replica.state is State.READY:
-                fleet.metrics.replica_sync_seconds.observe(time.monotonic() - started)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # any failure of one replica's sync stays with that replica
-        reason = f"{stage} did not finish within {limit:.0f}s" if isinstance(exc, TimeoutError) else f"sync: {exc}"
-        if not isinstance(exc, VLLMError | TimeoutError):
-            reason = f"sync: malformed reply: {type(exc).__name__}: {exc}"
-            fleet.metrics.loop_errors.labels("sync").inc()
-        replica.sync_failures += 1
-        backoff = min(fleet.settings.proxy_health_interval_s * 2 ** replica.sync_failures,
-                      fleet.settings.proxy_sync_backoff_max_s)
-        replica.next_sync_at = time.monotonic() + backoff
-        replica.last_error = reason
-        log.warning("replica sync failed url=%s error=%s (retried in %.1fs)", replica.url, reason, backoff)
-
-
-async def _sync(fleet: SyncFleet, replica: Replica, deadline: float) -> None:
+async def catch_up(fleet: SyncFleet, replica: Replica, deadline: float) -> None:
+    """Loop until `replica` holds exactly the ledger and the fleet's pause state, then mark it ready (or return
+    when another sync superseded this one)."""
     while True:
         listed = await replica.client.loaded_adapters()
         replica.observe(listed)

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lorafleet_proxy.fairshare import FairShare, estimate_tokens, prompt_tokens
+from lorafleet_proxy.runs.fairshare import FairShare, estimate_tokens, prompt_tokens
 
 
 async def serve(fair: FairShare, demands: dict[str, tuple[float, int, int]], slots: int) -> dict[str, int]:

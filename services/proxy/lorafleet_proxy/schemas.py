@@ -1,4 +1,4 @@
-"""Typed requests of the proxy's admin endpoints, and vLLM's 400 for anything that does not fit them.
+"""Typed requests of the proxy's admin endpoints (their 400 for anything that does not fit: `errors.validation_error`).
 
 The models mirror the fields vLLM 0.31 accepts (vllm/entrypoints/serve/lora/protocol.py, the dev
 routers' query parameters), so a client that works against one vLLM server works against the proxy.
@@ -14,16 +14,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from lorafleet.adapters import ADAPTER_NAME_PATTERN
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints
 
-from .broadcast import error
-
-MAX_REPORTED_ERRORS = 5
-MAX_ERROR_CHARS = 300
 # Token ids are int64 in vLLM; a larger one can only be a client bug.
 MAX_TOKEN_ID = 2**63 - 1
 
@@ -101,21 +94,3 @@ GENERATION_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
 }
-
-
-def _param(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(part) for part in loc)
-
-
-async def validation_error(_: Request, exc: Exception) -> JSONResponse:
-    """FastAPI's request-validation failure as vLLM answers it: 400, `"type": "Bad Request"`, `param` the field.
-
-    The message is bounded (a huge bad body must not come back amplified) and never echoes the input.
-    """
-    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
-    shown = [f"{_param(e.get('loc', ()))}: {e.get('msg', '')}"[:MAX_ERROR_CHARS] for e in errors[:MAX_REPORTED_ERRORS]]
-    more = f" (and {len(errors) - len(shown)} more)" if len(errors) > len(shown) else ""
-    label = "error" if len(errors) == 1 else "errors"
-    message = f"{len(errors)} validation {label}: " + "; ".join(shown) + more if errors else "Validation error"
-    param = _param(errors[0].get("loc", ())) if errors else None
-    return error(400, message, "Bad Request", param)
