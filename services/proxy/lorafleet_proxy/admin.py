@@ -20,6 +20,7 @@ from .elision import PauseElision
 from .errors import adapter_not_found, error
 from .fleet import Fleet
 from .metrics import Metrics
+from .openapi import mount
 from .runs import Runs, foreign_name, not_its_own
 from .schemas import (
     LoadLoRAAdapterRequest,
@@ -47,20 +48,17 @@ class AdminPlane:
         self.elision = elision
 
     def router(self) -> APIRouter:
-        router = APIRouter()
-        router.add_api_route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"])
-        router.add_api_route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"])
-        router.add_api_route("/register", self.register, methods=["POST"])
-        router.add_api_route("/pause", self.pause, methods=["POST"])
-        router.add_api_route("/resume", self.resume, methods=["POST"])
-        router.add_api_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"])
-        for path in CACHE_RESET_ROUTES:
-            router.add_api_route(path, self.reset_other_cache, methods=["POST"])
-        for path in REFUSED_ROUTES:
-            for method in ("GET", "POST"):
-                router.add_api_route(path, self.refused, methods=[method],
-                                     operation_id=f"refused_{method}{path}".lower())
-        return router
+        return mount([
+            ("/v1/load_lora_adapter", "POST", self.load_lora_adapter),
+            ("/v1/unload_lora_adapter", "POST", self.unload_lora_adapter),
+            ("/register", "POST", self.register),
+            ("/pause", "POST", self.pause),
+            ("/resume", "POST", self.resume),
+            ("/reset_prefix_cache", "POST", self.reset_prefix_cache),
+            *((path, "POST", self.reset_other_cache) for path in CACHE_RESET_ROUTES),
+            *((path, method, self.refused, f"refused_{method}{path}".lower())
+              for path in REFUSED_ROUTES for method in ("GET", "POST")),
+        ])
 
     async def timed(self, op: str, call: Awaitable[Response]) -> Response:
         started = time.perf_counter()

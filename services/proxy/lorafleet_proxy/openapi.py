@@ -9,6 +9,7 @@ failures are documented as vLLM's 400 error body, not FastAPI's 422.
 """
 
 import inspect
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -46,12 +47,23 @@ async def relayed_route(request: Request) -> Response:
     return error(500, f"{request.url.path} must be served by the proxy's front", "InternalServerError")
 
 
+# (path, method, handler) or (path, method, handler, operation id); without an id FastAPI derives it from the
+# handler's name, path and method, and the summary and description from its name and docstring.
+Route = tuple[str, str, Callable[..., Any]] | tuple[str, str, Callable[..., Any], str]
+
+
+def mount(routes: Iterable[Route]) -> APIRouter:
+    """A router for a table of routes (the admin plane's, the views', the relayed ones)."""
+    router = APIRouter()
+    for path, method, handler, *operation_id in routes:
+        router.add_api_route(path, handler, methods=[method], operation_id=operation_id[0] if operation_id else None)
+    return router
+
+
 def relayed_router() -> APIRouter:
     """The routes the front relays to one replica, as FastAPI knows them (documentation, the front's route set)."""
-    router = APIRouter()
-    for path, method in [*((path, "POST") for path in ROUTES), *READ_ONLY_ROUTES.items()]:
-        router.add_api_route(path, relayed_route, methods=[method])
-    return router
+    return mount([*((path, "POST", relayed_route) for path in ROUTES),
+                  *((path, method, relayed_route) for path, method in READ_ONLY_ROUTES.items())])
 
 
 def _stand_in(model: type[BaseModel]) -> Any:

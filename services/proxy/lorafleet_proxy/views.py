@@ -25,6 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from .errors import no_ready_replica, relay
 from .fleet import Fleet, State
 from .metrics import Metrics
+from .openapi import mount
 from .router import Router
 from .runs import Runs
 
@@ -40,15 +41,10 @@ class FleetViews:
         self.metrics = metrics
 
     def router(self) -> APIRouter:
-        router = APIRouter()
-        router.add_api_route("/is_paused", self.is_paused, methods=["GET"])
-        router.add_api_route("/server_info", self.server_info, methods=["GET"])
-        router.add_api_route("/v1/models", self.models, methods=["GET"])
-        router.add_api_route("/health", self.health, methods=["GET"])
-        router.add_api_route("/ping", self.health, methods=["GET"])
-        router.add_api_route("/fleet", self.fleet_view, methods=["GET"])
-        router.add_api_route("/metrics", self.prometheus, methods=["GET"])
-        return router
+        handlers = {"/is_paused": self.is_paused, "/server_info": self.server_info, "/v1/models": self.models,
+                    "/health": self.health, "/ping": self.health, "/fleet": self.fleet_view,
+                    "/metrics": self.prometheus}
+        return mount((path, "GET", handler) for path, handler in handlers.items())
 
     async def is_paused(self, request: Request) -> Response:  # the replicas' own state: an elided pause paused none
         return await self.runs.is_paused(request.scope, self._replicas_paused)

@@ -10,7 +10,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,21 +140,30 @@ def check_rank(snapshot: Snapshot, settings: Settings, peft_config: Any = None) 
     """2. The adapter rank is at or below every replica's --max-lora-rank."""
     name = "lora_rank"
     rank = adapter_rank(settings, peft_config)
+    return _lora_limit(
+        snapshot, name, "max_lora_rank", rank,
+        lambda per: f"adapter rank {rank} (LORA_RANK) is above the replicas' limit: {per}",
+        f"restart the replicas with --max-lora-rank {round_lora_rank(rank)} (lorafleet-replica derives it from "
+        f"LORA_RANK={rank}), or lower LORA_RANK",
+        lambda values: f"adapter rank {rank} <= --max-lora-rank {values}")
+
+
+def _lora_limit(snapshot: Snapshot, name: str, field: str, need: int, failed: Callable[[str], str], fix: str,
+                passed: Callable[[str], str]) -> CheckResult:
+    """Every replica's LoRA limit `field` (`--max-lora-rank`, `--max-loras`) is at least `need`; a FAIL names each
+    replica below it, a PASS the values seen (a WARN while some replica could not be read)."""
+    flag = "--" + field.replace("_", "-")
     with_lora = _with_lora(snapshot)
     if not with_lora:
         return _no_lora_skip(name, snapshot)
-    low = [r for r in with_lora if r.info is not None and r.info.lora is not None and r.info.lora.max_lora_rank < rank]
+    limits = {r.url: getattr(r.info.lora, field) for r in with_lora if r.info is not None and r.info.lora is not None}
+    low = ", ".join(f"{url} has {flag} {value}" for url, value in limits.items() if value < need)
     if low:
-        per = ", ".join(f"{r.url} has --max-lora-rank {r.info.lora.max_lora_rank}" for r in low  # type: ignore[union-attr]
-                        if r.info is not None)
-        return CheckResult(name, Status.FAIL, f"adapter rank {rank} (LORA_RANK) is above the replicas' limit: {per}",
-                           f"restart the replicas with --max-lora-rank {round_lora_rank(rank)} (lorafleet-replica "
-                           f"derives it from LORA_RANK={rank}), or lower LORA_RANK")
-    ranks = sorted({r.info.lora.max_lora_rank for r in with_lora if r.info and r.info.lora})
+        return CheckResult(name, Status.FAIL, failed(low), fix)
     status = Status.WARN if snapshot.unreachable() else Status.PASS
-    return CheckResult(name, status, f"adapter rank {rank} <= --max-lora-rank {'/'.join(map(str, ranks))} on "
-                       f"{len(with_lora)} replica(s).{_not_checked(snapshot)}".rstrip("."),
-                       "see lora_enabled" if status is Status.WARN else "")
+    values = "/".join(map(str, sorted(set(limits.values()))))
+    return CheckResult(name, status, f"{passed(values)} on {len(with_lora)} replica(s).{_not_checked(snapshot)}"
+                       .rstrip("."), "see lora_enabled" if status is Status.WARN else "")
 
 
 def check_adapter_sync(snapshot: Snapshot, settings: Settings, peft_config: Any = None) -> CheckResult:
@@ -243,22 +252,13 @@ def check_slots(snapshot: Snapshot, settings: Settings) -> CheckResult:
     budget = f"MAX_STALENESS={settings.max_staleness} + 2"
     if settings.fleet_max_runs > 1:
         budget = f"FLEET_MAX_RUNS={settings.fleet_max_runs} x ({budget})"
-    with_lora = _with_lora(snapshot)
-    if not with_lora:
-        return _no_lora_skip(name, snapshot)
-    few = [r for r in with_lora if r.info and r.info.lora and r.info.lora.max_loras < need]
-    if few:
-        per = ", ".join(f"{r.url} has --max-loras {r.info.lora.max_loras}" for r in few  # type: ignore[union-attr]
-                        if r.info is not None)
-        return CheckResult(name, Status.FAIL, f"too few LoRA slots: {per}; the slot budget {budget} needs {need} "
-                           "(vLLM silently evicts an in-flight version otherwise)",
-                           f"restart those replicas with --max-loras {need} (lorafleet-replica derives it from "
-                           f"{budget}: give every service the same .env), or lower MAX_STALENESS")
-    slots = sorted({r.info.lora.max_loras for r in with_lora if r.info and r.info.lora})
-    status = Status.WARN if snapshot.unreachable() else Status.PASS
-    return CheckResult(name, status, f"--max-loras {'/'.join(map(str, slots))} >= {need} ({budget}) on "
-                       f"{len(with_lora)} replica(s).{_not_checked(snapshot)}".rstrip("."),
-                       "see lora_enabled" if status is Status.WARN else "")
+    return _lora_limit(
+        snapshot, name, "max_loras", need,
+        lambda per: f"too few LoRA slots: {per}; the slot budget {budget} needs {need} (vLLM silently evicts an "
+        "in-flight version otherwise)",
+        f"restart those replicas with --max-loras {need} (lorafleet-replica derives it from {budget}: give every "
+        "service the same .env), or lower MAX_STALENESS",
+        lambda values: f"--max-loras {values} >= {need} ({budget})")
 
 
 def check_versions_kept(snapshot: Snapshot, settings: Settings) -> CheckResult:
