@@ -1,10 +1,17 @@
 """lorafleet-proxy: N vLLM replicas presented as one vLLM server (dp=1) with prefix-affinity routing.
 
-Modules: `app` (FastAPI app factory, endpoints, auth), `main` (the console script, two ports),
-`fleet` (membership, health checks, ejection: the supervised loops), `replica` (one replica's state
-and which adapters it holds), `sync` (catch-up of one replica to the ledger), `ledger` (the adapter
-ledger in memory, committed durably; format in `lorafleet.ledger_file`), `broadcast` (all-or-nothing
-state changes), `front` (the outermost layer: body limit, request counts, generation and read-only
-calls relayed to one replica with retries), `upstream` (the lean HTTP/1.1 client to the replicas),
-`router` (KV-prefix affinity), `discovery` (DNS), `metrics` (Prometheus).
+The request path: `main` (the console script, two ports), `server_protocol` (one write per answer), `auth`
+(which port, the public port's key), `front` (the outermost layer: body limit, request counts, generation and
+read-only calls relayed to one replica with retries), `router` (KV-prefix affinity), `upstream` (the lean
+HTTP/1.1 client to the replicas), `errors` (vLLM-style error answers, both planes).
+
+The admin plane: `admin` (load/unload, register, pause/resume, cache resets, refused routes), `views`
+(/server_info, /v1/models, /is_paused, /health, /fleet, /metrics), `schemas` (typed admin bodies), `broadcast`
+(all-or-nothing state changes under one guard), `elision` (pause elision), `openapi` (the document, route tables).
+
+The fleet: `fleet` (a replica's whole life: discovery, warm-up, catch-up, health, ejection; the supervised loops),
+`replica` (one replica's state and which adapters it holds), `sync` (catch-up of one replica to the ledger),
+`ledger` (the adapter ledger in memory, committed durably; format in `lorafleet.ledger_file`), `discovery` (DNS),
+`metrics` (Prometheus). `runs` (a package): everything about several runs on one fleet.
+`app` wires them together.
 """
