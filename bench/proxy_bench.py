@@ -1,6 +1,6 @@
 """Routing and overhead benchmark of lorafleet-proxy on a GRPO-shaped trace against fake replicas.
 
-Three processes, as deployed: fake vLLM replicas (tests/integration/fakes.py, a never-evicting prefix
+Three processes, as deployed: fake vLLM replicas (lorafleet_testing.fakes in tests/support, a never-evicting prefix
 cache each, a small simulated latency), the real `lorafleet-proxy` console script, and this load
 generator. The trace: prompts = a shared chat-template prefix + a problem, as token ids; 8 rollouts
 per prompt sent concurrently; hundreds of requests in flight; a new policy version (pause, load,
@@ -30,13 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from lorafleet.processes import free_port, script
+from lorafleet_proxy.router import Router
+from lorafleet_testing.fakes import FakeReplica, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
-
-from fakes import FakeReplica, start_server  # noqa: E402
-from lorafleet.processes import free_port, script  # noqa: E402
-from lorafleet_proxy.router import Router  # noqa: E402
 
 MODEL = "fake-base"
 

@@ -30,6 +30,7 @@ import httpx
 import psutil
 from lorafleet.processes import Service, replica_service, wait_healthy
 from lorafleet.tiny import make_tiny_model
+from lorafleet_testing.traffic import Traffic
 
 MODES = ("mp", "uni")
 LIGHT_EVERY_S = 0.25
@@ -57,34 +58,6 @@ def cores_used(service: Service, seconds: float) -> float:
     before, started = cpu_seconds(service), time.monotonic()
     time.sleep(seconds)
     return (cpu_seconds(service) - before) / (time.monotonic() - started)
-
-
-class LightTraffic:
-    """One short completion every LIGHT_EVERY_S in a thread; latencies kept."""
-
-    def __init__(self, url: str, model: str) -> None:
-        self.url, self.model = url, model
-        self.latencies: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=120) as client:
-            while not self._stop.is_set():
-                started = time.monotonic()
-                body = {"model": self.model, "prompt": f"{len(self.latencies)} {PROMPT}", "max_tokens": 4,
-                        "temperature": 0.0}
-                client.post("/v1/completions", json=body).raise_for_status()
-                self.latencies.append(time.monotonic() - started)
-                self._stop.wait(LIGHT_EVERY_S)
-
-    def __enter__(self) -> LightTraffic:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=120)
 
 
 def saturated(url: str, model: str, seconds: float, clients: int = 8, tokens: int = 32) -> dict[str, float]:
@@ -133,9 +106,11 @@ def run_mode(mode: str, env: dict[str, str], logs: Path, args: argparse.Namespac
                    timeout=120).raise_for_status()  # the first request compiles; measure after it
         time.sleep(2)  # past the busy-poll window of that request
         result["idle_cores"] = round(cores_used(first, args.window), 3)
-        with LightTraffic(first.url, model) as traffic:
+        with Traffic(first.url, model, PROMPT, every_s=LIGHT_EVERY_S, timeout_s=120) as traffic:
             time.sleep(1)
             result["light_traffic_cores"] = round(cores_used(first, args.window), 3)
+            if traffic.failures:
+                raise RuntimeError(f"light traffic failed: {traffic.failures[:3]}")
             result["light_traffic_p50_ms"] = round(1000 * statistics.median(traffic.latencies), 1)
             result["neighbour_boot_s"] = boot(second, args.neighbour_timeout)
         second.stop()

@@ -1,7 +1,7 @@
 """Several runs saturating one fleet (issue 24): throughput share per run against its weight, queue wait, and
 the fleet's total against a single run alone, side by side in one process; writes results/bench-runs.json.
 
-Two fake replicas (tests/integration/fakes.py: real HTTP, an engine that runs `--window` completions at
+Two fake replicas (lorafleet_testing.fakes in tests/support: real HTTP, an engine that runs `--window` completions at
 once, each taking `--latency-s` and generating 3 tokens) behind the real proxy app with
 PROXY_FAIR_INFLIGHT_PER_REPLICA = that batch, so the fleet, not the load generator, is the bottleneck, and
 one run alone gets the same fleet. Each run has its own adapter and a closed loop of clients; client
@@ -26,14 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from lorafleet.settings import load_settings
+from lorafleet_proxy.app import create_app
+from lorafleet_testing.fakes import FakeReplica, start_server
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
-
-from fakes import FakeReplica, start_server  # noqa: E402
-from lorafleet.settings import load_settings  # noqa: E402
-from lorafleet_proxy.app import create_app  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 TOKENS_PER_COMPLETION = 3  # what a fake replica generates for each completion (fakes.py)
 SCENARIOS: dict[str, dict[str, tuple[float, int]]] = {  # run -> (weight, clients)

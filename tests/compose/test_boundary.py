@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from compose_helpers import COMPOSE_FILE, REPO, REQUIRED_SECRET_VALUE, EnvFileMaker
 from lorafleet.settings import Settings
+from lorafleet_testing.compose_helpers import COMPOSE_FILE, REPO, REQUIRED_SECRET_VALUE, EnvFileMaker
 
 ALL_INTERFACES = {"", "0.0.0.0", "::", "[::]", "*"}
 TRAINERS = {"trainer", "trainer-cpu"}

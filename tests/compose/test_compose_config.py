@@ -13,7 +13,8 @@ import subprocess
 from typing import Any
 
 import pytest
-from compose_helpers import (
+from lorafleet.settings import Settings
+from lorafleet_testing.compose_helpers import (
     COMPOSE_FILE,
     REPO,
     ComposeResult,
@@ -23,7 +24,6 @@ from compose_helpers import (
     required_compose_vars,
     tool,
 )
-from lorafleet.settings import Settings
 
 STACK = {"store-init", "model-fetch", "proxy", "vllm", "trainer"}
 ROLE_BY_DOCKERFILE_DIR = {"services/vllm/": "replica", "services/proxy/": "proxy", "services/trainer/": "trainer"}

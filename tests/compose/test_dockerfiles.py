@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from compose_helpers import REPO, tool
+from lorafleet_testing.compose_helpers import REPO, tool
 
 DOCKERFILES = sorted(REPO.glob("services/*/Dockerfile*"))
 # The GPU images (replica, trainer) must run the vLLM that TRL and the CPU tests were pinned against.

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from compose_helpers import COMPOSE_FILE, COMPOSE_VAR, ENV_EXAMPLE, EnvEntry, parse_env_example, required_compose_vars
 from lorafleet.settings import Settings, env_name, load_settings
 from lorafleet.settings_docs import env_default
+from lorafleet_testing.compose_helpers import (
+    COMPOSE_FILE,
+    COMPOSE_VAR,
+    ENV_EXAMPLE,
+    EnvEntry,
+    parse_env_example,
+    required_compose_vars,
+)
 
 # Compose's own variables (read from .env by the CLI), allowed in .env.example without appearing in compose.yaml.
 COMPOSE_CLI_VARS = {"COMPOSE_PROFILES", "COMPOSE_PROJECT_NAME", "COMPOSE_FILE"}

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import yaml
-from compose_helpers import REPO, ComposeRunner, EnvFileMaker
 from lorafleet.settings import Settings
+from lorafleet_testing.compose_helpers import REPO, ComposeRunner, EnvFileMaker
 
 MONITORING = REPO / "monitoring"
 PROMETHEUS_CONFIG = MONITORING / "prometheus.yml"

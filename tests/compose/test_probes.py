@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from compose_helpers import REPO, RenderFn
 from lorafleet.processes import free_port
+from lorafleet_testing.compose_helpers import REPO, RenderFn
 
 
 class HealthServer:

@@ -1,4 +1,4 @@
-"""What the Compose stack test (tests/gpu/test_stack.py) relies on, proven without an engine or GPUs.
+"""What the Compose stack test (tests/stack/test_stack.py) relies on, proven without an engine or GPUs.
 
 - the device layout: trainer and replica GPUs disjoint, one GPU per replica plus one for the scale-out; the cpu
   profile's automatic core sets;
@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import stack_driver
-from compose_helpers import COMPOSE_FILE, COMPOSE_VAR, ENV_EXAMPLE, REPO, parse_env_example
 from hypothesis import given
 from hypothesis import strategies as st
 from lorafleet.settings import Settings, env_name, load_settings
-from stack_driver import Stack, StackError, StackSession, copy_project, missing_requirements
-from stack_plan import (
+from lorafleet_testing import stack_driver
+from lorafleet_testing.compose_helpers import COMPOSE_FILE, COMPOSE_VAR, ENV_EXAMPLE, REPO, parse_env_example
+from lorafleet_testing.stack_driver import Stack, StackError, StackSession, copy_project, missing_requirements
+from lorafleet_testing.stack_plan import (
     NotEnoughDevices,
     StackPlan,
     cpu_layout,
@@ -399,8 +399,8 @@ def test_stack_module_collects_and_skips_with_one_line_reason(tmp_path: Path) ->
         pytest.skip("this host can run the stack test itself (make test-gpu)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAFLEET_STACK_") and k != "CI"}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/gpu/test_stack.py", "-q", "-rs", "-p", "no:cacheprovider", "--basetemp",
-         str(tmp_path / "t")],
+        [sys.executable, "-m", "pytest", "tests/stack/test_stack.py", "-q", "-rs", "-p", "no:cacheprovider",
+         "--basetemp", str(tmp_path / "t")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=110, check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -408,7 +408,7 @@ def test_stack_module_collects_and_skips_with_one_line_reason(tmp_path: Path) ->
     assert len(skipped) >= 7 and f"{len(skipped)} skipped" in done.stdout, done.stdout
     assert all(line.endswith(reason) for line in skipped), done.stdout
     failing = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/gpu/test_stack.py", "-q", "-p", "no:cacheprovider", "--basetemp",
+        [sys.executable, "-m", "pytest", "tests/stack/test_stack.py", "-q", "-p", "no:cacheprovider", "--basetemp",
          str(tmp_path / "ci"), "-k", "every_replica_is_ready"],
         cwd=REPO, env={**env, "CI": "true"}, capture_output=True, text=True, timeout=110, check=False,
     )

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from compose_helpers import REPO, tool
+from lorafleet_testing.compose_helpers import REPO, tool
 
 WORKFLOWS = REPO / ".github" / "workflows"
 ACTIONLINT_CONFIG = REPO / ".github" / "actionlint.yaml"

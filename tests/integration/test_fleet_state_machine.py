@@ -32,7 +32,6 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
-from fakes import FakeReplica, Running, start_server
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -41,6 +40,7 @@ from lorafleet.processes import free_port
 from lorafleet.runs import DEFAULT_RUN, qualify, run_of
 from lorafleet.settings import load_settings
 from lorafleet_proxy.app import create_app
+from lorafleet_testing.fakes import FakeReplica, Running, start_server
 
 EXAMPLES = int(os.environ.get("LORAFLEET_FUZZ_EXAMPLES", "16"))
 STEPS = int(os.environ.get("LORAFLEET_FUZZ_STEPS", "16"))

@@ -13,10 +13,10 @@ from typing import Any
 
 import httpx
 import pytest
-from fakes import FakeReplica, Running, start_fakes, start_server
 from lorafleet.settings import load_settings
 from lorafleet.vllm_api import metric_total
 from lorafleet_proxy.app import BearerAuth, create_app
+from lorafleet_testing.fakes import FakeReplica, Running, start_fakes, start_server
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

@@ -10,11 +10,11 @@ from typing import Any
 
 import httpx
 import pytest
-from fakes import ENGINE_DEAD, FakeReplica, Running, start_fakes, start_server
 from lorafleet.settings import load_settings
 from lorafleet.vllm_api import metric_total
 from lorafleet_proxy.app import BearerAuth, create_app
 from lorafleet_proxy.sync import LOAD_RETRY_FIRST_S
+from lorafleet_testing.fakes import ENGINE_DEAD, FakeReplica, Running, start_fakes, start_server
 
 pytestmark = pytest.mark.integration
 

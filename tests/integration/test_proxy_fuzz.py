@@ -28,12 +28,12 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from fakes import FakeReplica, Received, Running, start_fakes, start_server
 from hypothesis import HealthCheck, settings
 from lorafleet.settings import load_settings
 from lorafleet.vllm_api import PROXY_UPSTREAM_HEADER as UPSTREAM_HEADER
 from lorafleet_proxy.app import BearerAuth, create_app
 from lorafleet_proxy.schemas import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from lorafleet_testing.fakes import FakeReplica, Received, Running, start_fakes, start_server
 from pydantic import BaseModel, ValidationError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

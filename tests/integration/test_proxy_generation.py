@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 import pytest
-from fakes import start_fakes, start_server
 from lorafleet.settings import load_settings
 from lorafleet_proxy.app import BearerAuth, create_app
+from lorafleet_testing.fakes import start_fakes, start_server
 from test_proxy_faults import FAST, Fleet, _completion, fleet  # noqa: F401  (fleet is a fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

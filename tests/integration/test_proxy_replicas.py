@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-from fakes import Running, start_server
 from lorafleet.settings import load_settings
 from lorafleet.vllm_api import VLLMClient
 from lorafleet_proxy.app import create_app
+from lorafleet_testing.fakes import Running, start_server
 
 pytestmark = pytest.mark.integration
 

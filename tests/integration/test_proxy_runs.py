@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-from fakes import FakeReplica, Running, start_fakes, start_server
 from lorafleet.ledger_file import fingerprint, ledger_path
 from lorafleet.settings import load_settings
 from lorafleet_proxy.app import BearerAuth, create_app
+from lorafleet_testing.fakes import FakeReplica, Running, start_fakes, start_server
 from test_proxy_faults import FAST, until
 
 pytestmark = pytest.mark.integration

@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from fakes import start_fakes, start_server
 from lorafleet.settings import load_settings
 from lorafleet_proxy.app import create_app
+from lorafleet_testing.fakes import start_fakes, start_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

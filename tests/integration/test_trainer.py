@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from lorafleet.adapters import lora_dir, policy_name
 from lorafleet.commands.status import read_metrics
 from lorafleet.processes import Service
+from lorafleet_testing.trainers import finish
 from ratio_bounds import RATIO_LR, near_one
 
 # Session replicas may boot inside the first test (up to STARTUP_TIMEOUT_S), then a run of up to RUN_TIMEOUT_S.
@@ -27,32 +27,9 @@ STEPS = 3
 RUN_TIMEOUT_S = 600  # the acceptance budget for 3 steps on CI
 
 
-@pytest.fixture(scope="module")
-def root(adapter_root: Path) -> Path:
-    path = adapter_root / "trainer"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture(scope="module")
-def fleet(shared_replicas, start_proxy, root: Path) -> tuple[list[Service], Service]:
-    """The session's two float32 replicas behind a proxy with this module's own ADAPTER_ROOT and ledger."""
-    proxy = start_proxy(shared_replicas, root=root)
-    yield shared_replicas, proxy
-    for name in httpx.get(proxy.url + "/v1/models", timeout=10).json()["data"][1:]:
-        httpx.post(proxy.url + "/v1/unload_lora_adapter", json={"lora_name": name["id"]}, timeout=60)
-    proxy.stop()
-
-
 def _train(start_trainer: Callable[..., Service], name: str, root: Path, proxy: Service,
            **settings: Any) -> tuple[int, str]:
-    trainer = start_trainer(name, root, RUN, proxy.url, HF_HUB_OFFLINE="1", **settings)
-    assert trainer.process is not None
-    try:
-        code = trainer.process.wait(timeout=RUN_TIMEOUT_S)
-    finally:
-        trainer.stop()
-    return code, trainer.log_path.read_text()
+    return finish(start_trainer(name, root, RUN, proxy.url, HF_HUB_OFFLINE="1", **settings), RUN_TIMEOUT_S)
 
 
 def _metrics(root: Path) -> list[dict[str, Any]]:

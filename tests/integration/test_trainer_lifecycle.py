@@ -20,7 +20,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,22 +66,6 @@ class Start:
     def stopped(self) -> dict[str, str]:
         line = next(line for line in reversed(self.log.splitlines()) if "event=stopped" in line)
         return dict(re.findall(r"(\w+)=(\S+)", line))
-
-
-@pytest.fixture(scope="module")
-def root(adapter_root: Path) -> Path:
-    path = adapter_root / "lifecycle"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture(scope="module")
-def fleet(shared_replicas, start_proxy, root: Path) -> Iterator[tuple[list[Service], Service]]:
-    proxy = start_proxy(shared_replicas, root=root)
-    yield shared_replicas, proxy
-    for card in httpx.get(proxy.url + "/v1/models", timeout=10).json()["data"][1:]:
-        httpx.post(proxy.url + "/v1/unload_lora_adapter", json={"lora_name": card["id"]}, timeout=60)
-    proxy.stop()
 
 
 def _steps(root: Path, run: str) -> list[int]:

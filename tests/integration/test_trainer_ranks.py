@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from lorafleet.adapters import lora_dir, metrics_path, policy_name, run_dir
 from lorafleet.commands.doctor.checks import RATIO_FAIL
 from lorafleet.commands.status import read_metrics
 from lorafleet.processes import Service
+from lorafleet_testing.trainers import finish
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -35,22 +35,6 @@ WAIT_S = 300  # one start reaching a step on a busy 2-core box
 GRACE_S = 90  # compose.yaml's stop_grace_period for the trainer
 
 
-@pytest.fixture(scope="module")
-def root(adapter_root: Path) -> Path:
-    path = adapter_root / "ranks"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture(scope="module")
-def fleet(shared_replicas, start_proxy, root: Path):
-    proxy = start_proxy(shared_replicas, root=root)
-    yield shared_replicas, proxy
-    for card in httpx.get(proxy.url + "/v1/models", timeout=10).json()["data"][1:]:
-        httpx.post(proxy.url + "/v1/unload_lora_adapter", json={"lora_name": card["id"]}, timeout=60)
-    proxy.stop()
-
-
 def _steps(root: Path) -> list[int]:
     return [row["step"] for row in read_metrics(metrics_path(root, RUN)) if "ratio" in row]
 
@@ -58,15 +42,6 @@ def _steps(root: Path) -> list[int]:
 def _event(log: str, event: str) -> list[dict[str, str]]:
     """The key=value fields of every `event=<event>` line."""
     return [dict(re.findall(r"(\w+)=(\S+)", line)) for line in log.splitlines() if f"event={event} " in line]
-
-
-def _finish(trainer: Service, timeout_s: float) -> tuple[int | None, str]:
-    assert trainer.process is not None
-    try:
-        code = trainer.process.wait(timeout=timeout_s)
-    finally:
-        trainer.stop()
-    return code, trainer.log_path.read_text()
 
 
 def _published_loads(proxy: Service, root: Path) -> collections.Counter[str]:
@@ -100,7 +75,7 @@ def two_ranks(fleet, root, start_trainer) -> dict[str, Any]:
         time.sleep(0.2)
     trainer.signal_group(signal.SIGTERM)
     started = time.monotonic()
-    code, log = _finish(trainer, GRACE_S)
+    code, log = finish(trainer, GRACE_S)
     return {"code": code, "log": log, "elapsed_s": time.monotonic() - started, "steps": _steps(root),
             "loads": _published_loads(proxy, root)}
 
@@ -140,7 +115,7 @@ def one_rank_resume(two_ranks, fleet, root, start_trainer) -> dict[str, Any]:
     _, proxy = fleet
     trainer = start_trainer("ranks-b", root, RUN, proxy.url, HF_HUB_OFFLINE="1", TRAINER_RANKS=1, MAX_STEPS=1000,
                             SAVE_STEPS=1000, RUN_MAX_STEPS=2, TRAINER_METRICS_PORT=0)
-    code, log = _finish(trainer, WAIT_S)
+    code, log = finish(trainer, WAIT_S)
     return {"code": code, "log": log, "steps": _steps(root), "loads": _published_loads(proxy, root)}
 
 

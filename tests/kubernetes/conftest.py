@@ -6,8 +6,8 @@ import copy
 from collections.abc import Callable
 
 import pytest
-from compose_helpers import ENV_EXAMPLE, EnvEntry, parse_env_example
 from k8s_manifests import OVERLAYS, Obj, render
+from lorafleet_testing.compose_helpers import ENV_EXAMPLE, EnvEntry, parse_env_example
 
 
 @pytest.fixture(scope="session")

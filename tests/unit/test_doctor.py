@@ -159,7 +159,7 @@ class FakeFleet:
         cards = [_card(self.model, self.model, None)] + [_card(n, p, self.model) for n, p in adapters]
         return httpx.Response(200, json={"object": "list", "data": cards})
 
-    # --- state changes, with vLLM 0.31's exact status codes and bodies (documented in tests/integration/fakes.py) ---
+    # --- state changes, with vLLM 0.31's exact status codes and bodies (documented in lorafleet_testing/fakes.py) ---
     def replica_call(self, url: str, request: httpx.Request, path: str) -> httpx.Response:
         body = json.loads(request.content or b"{}")
         adapters = self.adapters[url]

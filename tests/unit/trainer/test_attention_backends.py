@@ -7,13 +7,12 @@ computes with the pure-PyTorch kernel; the real kernel is compared on a GPU in t
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from attention_bench import grpo_tree
 from lorafleet_trainer.attention import (
     UnsupportedAttention,
     builtin_varlen_func,
@@ -21,9 +20,6 @@ from lorafleet_trainer.attention import (
     hub_kernel,
     torch_varlen_func,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
-from attention_bench import grpo_tree
 
 TOL = 1e-2  # bf16 values, float32 arithmetic in both paths
 

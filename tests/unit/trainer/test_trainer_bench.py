@@ -1,24 +1,22 @@
 """The trainer benchmark's pieces on CPU: the published shape, the length draw, the vLLM stand-in, the profile
-buckets, and the README table printed from the kept result (docs/bench-trainer.json)."""
+buckets, and the README table printed from the kept result (bench/results/bench-trainer.json)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from trainer_bench import _category, table
+from trainer_shape import PUBLISHED_LENGTHS, QWEN25_MATH_1_5B, qwen2_config
+from vllm_standin import StandIn
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "bench"))
-from trainer_bench import _category, table  # noqa: E402
-from trainer_shape import PUBLISHED_LENGTHS, QWEN25_MATH_1_5B, qwen2_config  # noqa: E402
-from vllm_standin import StandIn  # noqa: E402
 
 # Qwen/Qwen2.5-Math-1.5B's config.json, architecture fields as published (seen in the bf16 conversion
 # https://huggingface.co/mlx-community/Qwen2.5-Math-1.5B-bf16/blob/c4eab3af176f2821f3e0f8c16aa73f9bd1e6043c/config.json).
@@ -127,7 +125,7 @@ def test_profile_buckets(event, bucket):
 
 
 def test_the_readme_table_is_printed_from_the_kept_result():
-    report = json.loads((ROOT / "docs" / "bench-trainer.json").read_text())
+    report = json.loads((ROOT / "bench" / "results" / "bench-trainer.json").read_text())
     assert table(report) in (ROOT / "README.md").read_text()
 
 
@@ -156,7 +154,7 @@ def test_the_standin_describes_itself_as_a_one_replica_fleet_the_doctor_can_read
 def test_the_launcher_table_is_printed_from_the_kept_result():
     from launcher_bench import table
 
-    kept = json.loads((ROOT / "docs" / "bench-launcher.json").read_text())
+    kept = json.loads((ROOT / "bench" / "results" / "bench-launcher.json").read_text())
     printed = table(kept)
     assert "world_size=1 sharding=fsdp2" in printed and kept["gpu"] in printed
     assert "2-GPU comparison has not been run" in printed

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.settings import Settings, env_name
-from stack_plan import NotEnoughDevices, Profile, StackPlan, cpu_layout, gpu_layout, parse_gpu_indices
 
-REPO = Path(__file__).resolve().parents[2]
+from lorafleet_testing import REPO
+from lorafleet_testing.stack_plan import NotEnoughDevices, Profile, StackPlan, cpu_layout, gpu_layout, parse_gpu_indices
+
 Runner = Callable[[Sequence[str], float], subprocess.CompletedProcess[str]]
 
 

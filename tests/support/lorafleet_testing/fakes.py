@@ -48,8 +48,8 @@ from lorafleet.ledger_file import fingerprint
 from lorafleet.processes import free_port
 from lorafleet.vllm_api import error_body
 from lorafleet_proxy.app import BearerAuth, ProxyApp
-from lorafleet_proxy.server_protocol import CoalescingHttpToolsProtocol
 from lorafleet_proxy.fleet import WARM_UP_PROMPT
+from lorafleet_proxy.server_protocol import CoalescingHttpToolsProtocol
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."

@@ -1,9 +1,9 @@
 """The Compose stack end to end on a real Docker engine, driven by the user's own commands.
 
 `make test-stack CPU=1` (cpu profile; CI runs it on a private engine, tools/engine.sh) or `make test-gpu` (NVIDIA
-GPUs). Plain `pytest tests/gpu` skips with one line naming what is missing; `LORAFLEET_STACK_REQUIRED=1` (the make
+GPUs). Plain `pytest tests/stack` skips with one line naming what is missing; `LORAFLEET_STACK_REQUIRED=1` (the make
 targets) and `CI=true` turn that into a failure. One stack per module, in a fresh copy of the project with `.env` made
-from `.env.example` and the two keys (stack_plan, stack_driver), and the README's commands in order:
+from `.env.example` and the two keys (lorafleet_testing.stack_plan, .stack_driver), and the README's commands in order:
   1. `make up`: every replica `ready`, each having generated (the proxy's warm-up), each on its own device;
      gpu: the GPUs the replicas' processes hold (host nvidia-smi) are distinct and not the trainer's;
   2. `make status` and `make doctor` against it (the doctor PASSes, its failures would name the replica);
@@ -27,7 +27,6 @@ import json
 import os
 import shlex
 import socket
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -40,25 +39,20 @@ from lorafleet.adapters import fleet_dir, metrics_path
 from lorafleet.commands.doctor.checks import RATIO_FAIL
 from lorafleet.ledger_file import LEDGER_FILE
 from lorafleet.settings import Settings
-from stack_driver import REPO, Stack, StackSession, copy_project, detect_gpus, host_nvidia_smi, missing_requirements
-from stack_plan import (
-    RUN_NAME,
-    Profile,
-    StackPlan,
-    device_from_environ,
-    gpus_held,
-    ledger,
-    metric_rows,
-    parse_compute_apps,
-    parse_gpu_indices,
-    parse_top_pids,
-    plan_stack,
-    ready_urls,
-    unsynced,
-    url_host,
+from lorafleet_testing import stack_plan
+from lorafleet_testing.stack_driver import (
+    REPO,
+    Stack,
+    StackSession,
+    copy_project,
+    detect_gpus,
+    host_nvidia_smi,
+    missing_requirements,
 )
+from lorafleet_testing.stack_plan import RUN_NAME, Profile, StackPlan, ledger, metric_rows, url_host
+from lorafleet_testing.traffic import Traffic as CompletionTraffic
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.stack, pytest.mark.timeout(3600)]
 
 PROFILE: Profile = "cpu" if os.environ.get("LORAFLEET_STACK_PROFILE") == "cpu" else "gpu"
 REPLICAS = int(os.environ.get("LORAFLEET_STACK_REPLICAS", "2"))
@@ -99,8 +93,8 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         pytest.fail(reason, pytrace=False)
     if reason:
         pytest.skip(reason)
-    plan = plan_stack(PROFILE, replicas=REPLICAS, gpus=detect_gpus() if PROFILE == "gpu" else None,
-                      cores=os.cpu_count(), model=os.environ.get("LORAFLEET_STACK_MODEL") or None)
+    plan = stack_plan.plan_stack(PROFILE, replicas=REPLICAS, gpus=detect_gpus() if PROFILE == "gpu" else None,
+                                 cores=os.cpu_count(), model=os.environ.get("LORAFLEET_STACK_MODEL") or None)
     stack = Stack(plan, copy_project(tmp_path_factory.mktemp("project") / "lorafleet"))
     session = StackSession(stack, ARTIFACTS, wait_timeout_s=WAIT_S)
     started = time.monotonic()
@@ -148,16 +142,16 @@ def all_ready(stack: Stack, count: int) -> dict[str, Any] | None:
     """The /fleet snapshot once exactly `count` replicas are ready, have generated and hold every ledger adapter."""
     snapshot = fleet(stack)
     ready = [r for r in snapshot["replicas"] if r["state"] == "ready"]
-    if len(ready) == count and all(r.get("generates") for r in ready) and not unsynced(snapshot):
+    if len(ready) == count and all(r.get("generates") for r in ready) and not stack_plan.unsynced(snapshot):
         return snapshot
     return None
 
 
 def replica_devices(stack: Stack) -> dict[str, str | None]:
     """Container -> the device its vLLM process (PID 1 after the entrypoint's exec) was started on."""
-    return {row["Name"]: device_from_environ(stack.docker("exec", row["ID"], "cat", "/proc/1/environ").stdout,
-                                             stack.plan.profile)
-            for row in stack.containers(stack.plan.replica_service)}
+    environ = {row["Name"]: stack.docker("exec", row["ID"], "cat", "/proc/1/environ").stdout
+               for row in stack.containers(stack.plan.replica_service)}
+    return {name: stack_plan.device_from_environ(text, stack.plan.profile) for name, text in environ.items()}
 
 
 def assert_devices_spread(stack: Stack, count: int) -> None:
@@ -178,11 +172,11 @@ def assert_devices_spread(stack: Stack, count: int) -> None:
 
 def assert_gpus_held_one_each(stack: Stack) -> None:
     """What the hardware says, not the logs: host nvidia-smi's pids per GPU against `docker top`."""
-    index_of = parse_gpu_indices(host_nvidia_smi("--query-gpu=index,uuid"))
-    apps = parse_compute_apps(host_nvidia_smi("--query-compute-apps=pid,gpu_uuid"))
-    pids = {row["Name"]: parse_top_pids(stack.docker("top", row["ID"], "-eo", "pid").stdout)
+    index_of = stack_plan.parse_gpu_indices(host_nvidia_smi("--query-gpu=index,uuid"))
+    apps = stack_plan.parse_compute_apps(host_nvidia_smi("--query-compute-apps=pid,gpu_uuid"))
+    pids = {row["Name"]: stack_plan.parse_top_pids(stack.docker("top", row["ID"], "-eo", "pid").stdout)
             for row in stack.containers(stack.plan.replica_service)}
-    held = gpus_held(pids, apps, index_of)
+    held = stack_plan.gpus_held(pids, apps, index_of)
     assert all(len(gpus) == 1 for gpus in held.values()), f"each replica should hold exactly one GPU: {held}"
     taken = [next(iter(gpus)) for gpus in held.values()]
     assert len(set(taken)) == len(taken), f"replicas share a GPU: {held}"
@@ -252,42 +246,13 @@ def base_model(stack: Stack) -> str:
     return str(public(stack.plan, "/v1/models", stack.plan.api_key).json()["data"][0]["id"])
 
 
-class Traffic:
+class Traffic(CompletionTraffic):
     """Completions through the public port, one at a time, in a thread: a user evaluating while the fleet changes.
-    Bounded: stops at `stop()` or after `limit_s`. Every answer that is not 200 is kept. A few a second, not back to
-    back: on a 2-core machine a saturating loop starved a starting replica's imports (7 minutes to come up)."""
+    Bounded: stops at the end of the `with` or after `limit_s`. Every answer that is not 200 is kept (`failures`)."""
 
     def __init__(self, stack: Stack, limit_s: float = 900, every_s: float = 0.25) -> None:
-        self.plan = stack.plan
-        self.model = base_model(stack)
-        self.limit_s = limit_s
-        self.every_s = every_s
-        self.sent = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Traffic:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=360)
-
-    def _run(self) -> None:
-        deadline = time.monotonic() + self.limit_s
-        with httpx.Client(headers={"Authorization": f"Bearer {self.plan.api_key}"}, timeout=300) as client:
-            while not self._stop.is_set() and time.monotonic() < deadline:
-                body = {"model": self.model, "prompt": f"{self.sent} {PROMPT}", "max_tokens": 4, "temperature": 0.0}
-                try:  # a different prompt each time: spread over the replicas, as evaluation traffic is
-                    response = client.post(self.plan.public_url + "/v1/completions", json=body)
-                    if response.status_code != 200:
-                        self.failures.append(f"{response.status_code} {response.text[:300]}")
-                except httpx.HTTPError as exc:
-                    self.failures.append(f"{type(exc).__name__}: {exc}")
-                self.sent += 1
-                self._stop.wait(self.every_s)
+        super().__init__(stack.plan.public_url, base_model(stack), PROMPT, api_key=stack.plan.api_key,
+                         every_s=every_s, limit_s=limit_s, timeout_s=300)
 
     def wait_sent(self, count: int, timeout_s: float = 300) -> None:
         goal = self.sent + count
@@ -446,8 +411,8 @@ def test_a_crashed_replica_restarts_and_resyncs_with_no_client_visible_failure(s
         traffic.wait_sent(3)
         # A crash, not `docker kill` (a manual stop, which Docker does not restart): the main process dies.
         os.kill(stack.inspect(victim["ID"])["State"]["Pid"], 9)
-        wait_for(lambda: host not in {url_host(u) for u in ready_urls(fleet(stack))}, "the dead replica out", 120,
-                 every_s=0.5)
+        wait_for(lambda: host not in {url_host(u) for u in stack_plan.ready_urls(fleet(stack))}, "the dead replica out",
+                 120, every_s=0.5)
         wait_for(lambda: stack.inspect(victim["ID"])["RestartCount"] > restarts, "Docker restarting it", 120)
         traffic.wait_sent(3)
 

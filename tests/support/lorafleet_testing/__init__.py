@@ -1,0 +1,17 @@
+"""Test support shared by tests/ and bench/: installed editable by tools/setup_venv.sh (`make setup`).
+
+- `fakes`: fake vLLM replicas (real HTTP, vLLM 0.31's bodies) with fault injection, for the proxy's tests and
+  the proxy benchmarks;
+- `stack_plan`, `stack_driver`: what the Compose stack test (tests/stack) runs and how it drives the stack,
+  also proven without an engine by tests/compose;
+- `compose_helpers`: the static compose/Dockerfile checks' parsers (tests/compose, tests/kubernetes);
+- `traffic`: light completion traffic in a thread (the stack test's evaluation traffic, bench/replica_cpu_bench.py);
+- `trainers`: waiting for a real `lorafleet-train` the integration tests started.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The repository this package is checked out in (it is installed editable, never copied).
+REPO = Path(__file__).resolve().parents[3]
