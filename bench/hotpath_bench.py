@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -98,6 +99,25 @@ def fast_replica_and_proxy(label: str, log_dir: Path) -> tuple[Service, Service]
     return replica, proxy
 
 
+@contextmanager
+def source_tree(rev: str, log_dir: Path) -> Iterator[Path]:
+    """A checkout of `rev` of this repository (git worktree), removed afterwards: the baseline's proxy source."""
+    tree = log_dir / f"baseline-{rev}"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+def baseline_proxy(tree: Path, replica: Service, log_dir: Path) -> Service:
+    """The same `lorafleet-proxy` console script importing the proxy and the shared library from `tree` (its
+    packages ahead of the editable installs on the path), in front of the same replica."""
+    return proxy_service("proxy-baseline", {"PROXY_UPSTREAMS": replica.url, "ADAPTER_ROOT": str(log_dir / "baseline"),
+                                            "PROXY_ROUTING": "affinity", "LOG_LEVEL": "WARNING",
+                                            "PYTHONPATH": f"{tree / 'services/proxy'}:{tree / 'shared'}"}, log_dir)
+
+
 def throughput(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     replica, proxy = fast_replica_and_proxy("throughput", log_dir)
     fport = free_port()
@@ -107,7 +127,15 @@ def throughput(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                "lorafleet_affinity": (proxy.url, proxy)}
     result: dict[str, Any] = {"tool": "wrk -t1 --timeout 2s, bench/wrk_completion.lua (200 token ids)",
                               "seconds": args.wrk_seconds, "runs": {}}
-    with started([replica]), started([forwarder], health="/health"), started([proxy]):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(started([replica]))
+        stack.enter_context(started([forwarder], health="/health"))
+        stack.enter_context(started([proxy]))
+        if args.baseline:  # the same replica behind the baseline's proxy, measured right after this tree's
+            baseline = baseline_proxy(stack.enter_context(source_tree(args.baseline, log_dir)), replica, log_dir)
+            stack.enter_context(started([baseline]))
+            targets[f"baseline_{args.baseline}_affinity"] = (baseline.url, baseline)
+            result["baseline"] = args.baseline
         for connections in (8, 128):
             for name, (url, server) in targets.items():
                 wrk(url, connections, 1)  # warm-up: pools filled, code paths hot
@@ -249,7 +277,8 @@ def markdown(results: dict[str, Any]) -> str:
                   "|---|---|---|---|---|---|---|"]
         for key, run in runs.items():
             name, connections = key.split("@")
-            lines.append(f"| {names[name]} | {connections} | {run['requests_per_s']:,.0f} | {run['p50_ms']} | "
+            shown = names.get(name, f"lorafleet-proxy at {results['throughput'].get('baseline')} (baseline), affinity")
+            lines.append(f"| {shown} | {connections} | {run['requests_per_s']:,.0f} | {run['p50_ms']} | "
                          f"{run['p99_ms']} | {run['timeouts']} | {run['server_cpu_us_per_request']} |")
         ratio = summary["affinity_vs_forwarder_at_128"]
         lines += ["", f"Affinity vs the aiohttp forwarder at 128 connections: **{ratio}x**"
@@ -286,6 +315,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--template-tokens", type=int, default=128)
     parser.add_argument("--problem-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline", default="", help="a git revision: its proxy joins the throughput section, "
+                        "side by side with this tree's (before/after a change)")
     return parser.parse_args()
 
 
