@@ -7,6 +7,13 @@ import shutil
 from collections.abc import Callable
 
 import pytest
+from hypothesis import settings
+
+# Property tests run beside real replicas and image builds on a 2-core box: a per-example deadline measures the
+# box's load, not the code (a 400 ms example next to a building image), so examples have none; every test keeps
+# pytest-timeout's bound.
+settings.register_profile("lorafleet", deadline=None)
+settings.load_profile("lorafleet")
 
 
 @pytest.fixture(scope="session")

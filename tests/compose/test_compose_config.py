@@ -343,6 +343,7 @@ def test_cpu_trainer_is_the_trainer_dockerfile_on_the_cpu_replica_image(project:
     build = services["trainer-cpu"]["build"]
     assert build["dockerfile"] == services["trainer"]["build"]["dockerfile"]
     assert build["args"]["VLLM_IMAGE"] == services["vllm-cpu"]["image"]
+    assert build["args"]["TRAINER_GPU_PACKAGES"] == "", "the cpu trainer image must not pull Liger's GPU kernels"
     assert "args" not in services["trainer"]["build"], "the GPU trainer must use the Dockerfile's pinned default"
 
 

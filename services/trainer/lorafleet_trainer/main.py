@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from lorafleet_trainer.recipes import RECIPES
 
 if TYPE_CHECKING:
     from lorafleet_trainer.config import TrainerConfigs
+    from lorafleet_trainer.fast_step import StepOptions
     from lorafleet_trainer.lifecycle import RunLifecycle
 
 log = logging.getLogger("lorafleet_trainer")
@@ -51,7 +53,7 @@ FLAG_FIELDS = (
     "max_inflight_per_replica", "queue_maxsize", "max_staleness", "weight_sync_steps", "max_steps", "save_steps",
     "seed", "trainer_precision", "trainer_resume", "trainer_report_to", "trainer_attention", "trainer_cpu_threads",
     "trainer_server_timeout_s", "log_level", "checkpoint_keep", "run_max_steps", "run_max_wall_s",
-    "trainer_min_free_gb", "trainer_gpus", "trainer_ranks", "trainer_sharding",
+    "trainer_min_free_gb", "trainer_gpus", "trainer_ranks", "trainer_sharding", "trainer_fast_step",
 )
 EXIT_CONFIG = 2
 EXIT_PREFLIGHT = 3
@@ -158,8 +160,10 @@ def install_kernels(settings: Settings, backend: str, *, cuda: bool) -> None:
     install(backend)
 
 
-def build_trainer(settings: Settings, configs: TrainerConfigs, callbacks: list[Any]) -> Any:
-    """TRL's AsyncGRPOTrainer as lorafleet-train runs it: the recipe's data and rewards, LoRA, a bounded score queue.
+def build_trainer(settings: Settings, configs: TrainerConfigs, callbacks: list[Any],
+                  step: StepOptions | None = None) -> Any:
+    """TRL's AsyncGRPOTrainer as lorafleet-train runs it: the recipe's data and rewards, LoRA, a bounded score queue,
+    and the fast step (fast_step.py) where TRAINER_FAST_STEP resolves to it (`step` overrides, for the benchmark).
 
     Shared with the trainer benchmark (bench/trainer_bench.py), which times this very object.
     """
@@ -167,10 +171,27 @@ def build_trainer(settings: Settings, configs: TrainerConfigs, callbacks: list[A
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     from lorafleet_trainer.config import score_queue_groups
+    from lorafleet_trainer.fast_step import apply_liger, install_indexed_head, step_options
+    from lorafleet_trainer.fused_lora import fuse_lora_layers
     from lorafleet_trainer.lora_precision import autocast_adapter_inputs
 
+    if step is None:
+        step = step_options(settings.trainer_fast_step, device=configs.ranks.device, sharding=configs.ranks.sharding)
+    if step.liger:  # before the model is built: Liger swaps the architecture's module classes
+        from transformers import AutoConfig
+
+        model_type = AutoConfig.from_pretrained(settings.base_model, trust_remote_code=False).model_type
+        skipped = apply_liger(model_type)
+        if skipped:
+            log_event(log, "liger_kernels_skipped", logging.WARNING, reason=skipped)
+            step = replace(step, liger=False)
+    trainer_class = AsyncGRPOTrainer
+    if step.custom_trainer:
+        from lorafleet_trainer.fast_trainer import FastStepTrainer
+
+        trainer_class = FastStepTrainer
     tokenizer, dataset, rewards = RECIPES[settings.trainer_recipe].build(settings)
-    trainer = AsyncGRPOTrainer(
+    trainer = trainer_class(
         model=settings.base_model,
         reward_funcs=rewards,
         args=configs.grpo,
@@ -183,6 +204,14 @@ def build_trainer(settings: Settings, configs: TrainerConfigs, callbacks: list[A
     bound_score_queue(trainer, score_queue_groups(configs.grpo.queue_maxsize, configs.grpo.num_generations))
     if configs.grpo.bf16:  # autocast runs the adapter's products in bf16: no float32 copies of their inputs
         log_event(log, "lora_input_casts_off", layers=autocast_adapter_inputs(trainer.model))
+    if step.fused_lora:
+        step = replace(step, fused_lora=fuse_lora_layers(trainer.model) > 0)
+    if step.custom_trainer:
+        indexed = step.sync_free_loss and install_indexed_head(trainer.model.get_base_model(), trainer.temperature)
+        step = trainer.configure_step(step, indexed_head=indexed)
+    trainer.lorafleet_step = step
+    if trainer.accelerator.is_main_process:
+        log_event(log, "trainer_step", **step.summary())
     return trainer
 
 
