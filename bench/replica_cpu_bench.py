@@ -9,20 +9,28 @@ bound to core 0:
 - CPU used (cores, all of the replica's processes) idle and under light traffic (one 4-token completion every
   0.25 s, the stack test's evaluation traffic), with that traffic's median latency;
 - saturated: completions and tokens per second with 8 concurrent clients (32 tokens each);
+- streaming: rollouts and streamed tokens per second with 8 concurrent STREAMING completions (48-token prompts,
+  64 tokens each, temperature 1), the shape of make bench-sync's rollouts and of the demo's evaluation traffic;
 - neighbour boot: a second replica on the SAME core booting while the first serves the light traffic (scale-out or
   a crash restart on a shared machine); null when it was not healthy within --neighbour-timeout.
 
     .venv/bin/python bench/replica_cpu_bench.py --out results/bench-replica.json
+
+`--variant NAME=EXECUTOR[:VAR=VALUE,...]` adds a configuration measured beside mp and uni in the same rounds (its
+variables on top of the replica's environment), e.g. uni as it ran before its OpenMP threads were bound:
+`--variant uni-unbound=uni:OMP_NUM_THREADS=2,OMP_PROC_BIND=false`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +68,17 @@ def cores_used(service: Service, seconds: float) -> float:
     return (cpu_seconds(service) - before) / (time.monotonic() - started)
 
 
+def in_threads(client_loop: Callable[[int], None], clients: int) -> float:
+    """Run `client_loop(index)` in `clients` threads until all return; the seconds that took."""
+    started = time.monotonic()
+    threads = [threading.Thread(target=client_loop, args=(index,)) for index in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.monotonic() - started
+
+
 def saturated(url: str, model: str, seconds: float, clients: int = 8, tokens: int = 32) -> dict[str, float]:
     done = [0] * clients  # one counter per client thread: no shared read-modify-write
     deadline = time.monotonic() + seconds
@@ -72,14 +91,32 @@ def saturated(url: str, model: str, seconds: float, clients: int = 8, tokens: in
                 client.post("/v1/completions", json=body).raise_for_status()
                 done[index] += 1
 
-    started = time.monotonic()
-    threads = [threading.Thread(target=client_loop, args=(index,)) for index in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    elapsed, total = time.monotonic() - started, sum(done)
+    elapsed, total = in_threads(client_loop, clients), sum(done)
     return {"completions_per_s": round(total / elapsed, 2), "tokens_per_s": round(total * tokens / elapsed, 1)}
+
+
+def streaming(url: str, model: str, seconds: float, clients: int = 8, prompt_tokens: int = 48,
+              tokens: int = 64) -> dict[str, float]:
+    """Streamed rollouts (finished) and tokens (SSE chunks received) per second, `clients` in flight."""
+    done, chunks = [0] * clients, [0] * clients  # one counter per client thread
+    deadline = time.monotonic() + seconds
+
+    def client_loop(index: int) -> None:
+        rng = random.Random(index)
+        with httpx.Client(base_url=url, timeout=120) as client:
+            while time.monotonic() < deadline:
+                body = {"model": model, "prompt": [rng.randrange(3, 900) for _ in range(prompt_tokens)],
+                        "max_tokens": tokens, "ignore_eos": True, "temperature": 1.0, "stream": True,
+                        "seed": rng.randrange(2**31)}
+                with client.stream("POST", "/v1/completions", json=body) as response:
+                    response.raise_for_status()
+                    for line in response.iter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            chunks[index] += 1
+                done[index] += 1
+
+    elapsed = in_threads(client_loop, clients)
+    return {"rollouts_per_s": round(sum(done) / elapsed, 2), "tokens_per_s": round(sum(chunks) / elapsed, 1)}
 
 
 def boot(service: Service, timeout_s: float) -> float | None:
@@ -93,7 +130,8 @@ def boot(service: Service, timeout_s: float) -> float | None:
 
 
 def run_mode(mode: str, env: dict[str, str], logs: Path, args: argparse.Namespace) -> dict[str, Any]:
-    env = {**env, "VLLM_CPU_EXECUTOR": mode}
+    executor, extra = args.configs[mode]
+    env = {**env, **extra, "VLLM_CPU_EXECUTOR": executor}
     first = replica_service(f"{mode}-first", env, logs)
     # Its own adapter root, so its own device claims: both replicas bind core 0, as two replicas sharing a core do.
     second = replica_service(f"{mode}-neighbour", {**env, "ADAPTER_ROOT": env["ADAPTER_ROOT"] + "-neighbour"}, logs)
@@ -115,10 +153,20 @@ def run_mode(mode: str, env: dict[str, str], logs: Path, args: argparse.Namespac
             result["neighbour_boot_s"] = boot(second, args.neighbour_timeout)
         second.stop()
         result["saturated"] = saturated(first.url, model, args.window)
+        result["streaming"] = streaming(first.url, model, args.window)
         return result
     finally:
         second.stop()
         first.stop()
+
+
+def parse_variant(text: str) -> tuple[str, tuple[str, dict[str, str]]]:
+    """"uni-unbound=uni:OMP_NUM_THREADS=2,OMP_PROC_BIND=false" -> ("uni-unbound", ("uni", {...}))."""
+    name, _, spec = text.partition("=")
+    executor, _, variables = spec.partition(":")
+    if not name or executor not in MODES:
+        raise SystemExit(f"--variant {text!r}: expected NAME=EXECUTOR[:VAR=VALUE,...], EXECUTOR one of {MODES}")
+    return name, (executor, dict(item.split("=", 1) for item in variables.split(",") if item))
 
 
 def main() -> int:
@@ -129,21 +177,27 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds the first replica may take to boot")
     parser.add_argument("--neighbour-timeout", type=float, default=180.0,
                         help="seconds the neighbour may take; longer is recorded as null (starved)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=EXECUTOR[:VAR=VALUE,...]",
+                        help="another configuration measured beside mp and uni (repeatable)")
     args = parser.parse_args()
+    args.configs = {mode: (mode, {}) for mode in MODES} | dict(parse_variant(text) for text in args.variant)
     work = Path(tempfile.mkdtemp(prefix="bench-replica-"))
     model = make_tiny_model(work / "model" / "tiny")
     (work / "adapters").mkdir()
     (work / "adapters-neighbour").mkdir()
     env = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(work / "adapters"), "MAX_MODEL_LEN": "512",
            "VLLM_CPU_SETS": "0", "LOG_LEVEL": "WARNING"}
-    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.configs}
     for round_index in range(args.rounds):
-        for mode in MODES:
+        for mode in args.configs:
             print(f"round {round_index + 1}/{args.rounds}: {mode} ...", flush=True)
             rounds[mode].append(run_mode(mode, env, work / "logs", args))
             print(f"  {mode}: {json.dumps(rounds[mode][-1])}", flush=True)
     result = {"machine": {"cpus": psutil.cpu_count(), "core_set": "0 (both replicas)"},
-              "light_traffic_every_s": LIGHT_EVERY_S, "window_s": args.window, "modes": rounds}
+              "light_traffic_every_s": LIGHT_EVERY_S, "window_s": args.window,
+              "configs": {mode: {"executor": executor, "env": extra}
+                          for mode, (executor, extra) in args.configs.items()},
+              "modes": rounds}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -1,17 +1,17 @@
 """Several runs saturating one fleet (issue 24): throughput share per run against its weight, queue wait, and
 the fleet's total against a single run alone, side by side in one process; writes results/bench-runs.json.
 
-Two fake replicas (lorafleet_testing.fakes in tests/support: real HTTP, an engine that runs `--window` completions at
-once, each taking `--latency-s` and generating 3 tokens) behind the real proxy app with
-PROXY_FAIR_INFLIGHT_PER_REPLICA = that batch, so the fleet, not the load generator, is the bottleneck, and
-one run alone gets the same fleet. Each run has its own adapter and a closed loop of clients; client
-counts differ on purpose (one run bursts), so a share that follows the weights comes from the proxy's queue,
-not from the load. Scenarios: one run alone (the default run), two runs (weights 1:1, clients 3:1), four runs
-(weights 1:1:2:4, equal clients). Shares are counted in generated tokens from the proxy's GET /fleet over the
-saturated window only: from the end of a warm-up (the first window is admitted before anyone queues) to the moment
-the clients stop sending (after it, every client's last request drains regardless of weight: equal counts per client,
-not the scheduler's choice). Queue wait percentiles come from the proxy's `lorafleet_proxy_run_queue_wait_seconds`
-histogram.
+Two fake replicas (lorafleet_testing.fakes in tests/support: real HTTP, an engine that runs `--window` completions
+at once, each taking `--latency-s` and generating 3 tokens) behind the real proxy app with
+PROXY_FAIR_INFLIGHT_PER_REPLICA = that batch (and the default PROXY_FAIR_PIPELINE_PER_REPLICA), so the fleet, not
+the load generator, is the bottleneck, and one run alone gets the same fleet. Each run has its own adapter and a
+closed loop of clients; client counts differ on purpose (one run bursts), so a share that follows the weights comes
+from the proxy's queue, not from the load. Scenarios: one run alone (the default run), two runs (weights 1:1,
+clients 3:1), four runs (weights 1:1:2:4, equal clients). Shares are counted in generated tokens from the proxy's
+GET /fleet over the saturated window only: from the end of a warm-up (the first window is admitted before anyone
+queues) to the moment the clients stop sending (after it, every client's last request drains regardless of weight:
+equal counts per client, not the scheduler's choice). Queue wait percentiles come from the proxy's
+`lorafleet_proxy_run_queue_wait_seconds` histogram.
 """
 
 from __future__ import annotations
@@ -134,6 +134,7 @@ async def scenario(name: str, runs: dict[str, tuple[float, int]], seconds: float
     tokens = {run: after.get(run, 0) - before.get(run, 0) for run in runs}
     total_tokens = sum(tokens.values())
     result = {"scenario": name, "measured_s": round(window_s, 1), "warmup_s": warmup_s,
+              "pipeline_per_replica": settings.proxy_fair_pipeline_per_replica,
               "requests_per_s": round(total_tokens / TOKENS_PER_COMPLETION / window_s, 1), "runs": []}
     for run, (weight, clients) in runs.items():
         share = tokens[run] / total_tokens if total_tokens else 0.0

@@ -14,7 +14,8 @@ X-Proxy-Upstream header); the longest gap between consecutive tokens of one roll
 counting as its first token, so its wait for prefill counts too); tokens/s inside sync windows vs
 outside; and publish-to-every-replica-serving latency (adapter folder renamed into place -> each
 replica, asked directly, completes a request naming the new version). Control windows of the same
-length just before each sync give the same figures without a sync (the box's own noise).
+length just before each sync give the same figures without a sync (the box's own noise). Throughput: rollouts
+finished and tokens streamed per second over each phase's span, syncs included.
 
     .venv/bin/python bench/sync_bench.py --out results/bench-sync.json
 """
@@ -226,7 +227,9 @@ def measure(syncs: list[dict[str, float]], records: list[list[Any]], began: floa
         previous_end = marks["end"]
     inside = sum(b - a for a, b in windows)
     sync_tokens = tokens_in(records, windows)
-    return {"per_sync": per_sync, "rollouts": len(records), "sync_tokens": sync_tokens, "sync_s_total": inside,
+    finished = sum(1 for record in records if len(record) > 2 and began <= record[-1] <= ended)
+    return {"per_sync": per_sync, "rollouts": len(records), "rollouts_finished": finished, "phase_s": ended - began,
+            "sync_tokens": sync_tokens, "sync_s_total": inside,
             "other_tokens": tokens_in(records, [(began, ended)]) - sync_tokens,
             "other_s_total": ended - began - inside}
 
@@ -252,6 +255,10 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
                                        "publish_to_serving_s")},
         "tokens_per_s_in_sync": total("sync_tokens") / total("sync_s_total"),
         "tokens_per_s_outside_sync": total("other_tokens") / total("other_s_total"),
+        # throughput over the phases' measured span, syncs included: rollouts finished in it per second (`rollouts`
+        # counts every rollout of a phase, its warm-up too, so it grows with the phase's length)
+        "rollouts_per_s": total("rollouts_finished") / total("phase_s"),
+        "tokens_per_s": (total("sync_tokens") + total("other_tokens")) / total("phase_s"),
         "per_sync": per_sync,
     }
 
@@ -398,8 +405,8 @@ def table(modes: dict[str, dict[str, Any]]) -> str:
     lines = ["| PROXY_SYNC_PAUSE | sync p50 / p95 (ms) | stall p50 / p95 / max (ms) | same, no sync p50 (ms) "
              "| rollout gap p50 in sync, no sync (ms) | tokens/s in sync / outside "
              "| publish→all serving p50 / p95 (ms) "
-             "| pauses elided |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| pauses elided | rollouts/s, tokens/s over the phase |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for mode, s in modes.items():
         lines.append(
             f"| `{mode}` | {ms(s['sync_s']['p50'])} / {ms(s['sync_s']['p95'])} "
@@ -408,7 +415,7 @@ def table(modes: dict[str, dict[str, Any]]) -> str:
             f"| {ms(s['rollout_gap_s']['p50'])}, {ms(s['control_rollout_gap_s']['p50'])} "
             f"| {s['tokens_per_s_in_sync']:.0f} / {s['tokens_per_s_outside_sync']:.0f} "
             f"| {ms(s['publish_to_serving_s']['p50'])} / {ms(s['publish_to_serving_s']['p95'])} "
-            f"| {s['pauses_elided']:.0f} / {s['syncs']} |")
+            f"| {s['pauses_elided']:.0f} / {s['syncs']} | {s['rollouts_per_s']:.1f}, {s['tokens_per_s']:.0f} |")
     return "\n".join(lines)
 
 

@@ -176,7 +176,37 @@ class Settings(BaseSettings):
     )
     proxy_fair_inflight_per_replica: int = Field(
         64, ge=1, description="While several runs generate: requests in flight per ready replica, beyond which the "
-        "proxy queues them by fair share (tokens per run weight).",
+        "proxy queues them by fair share (tokens per run weight); at most the engine's batch (--max-num-seqs).",
+    )
+    proxy_fair_pipeline_per_replica: int = Field(
+        1, ge=0, description="While several runs generate: requests each replica gets beyond "
+        "PROXY_FAIR_INFLIGHT_PER_REPLICA, waiting in its engine, so a batch slot that frees is refilled at once "
+        "rather than an answer's round trip later (0 = none).",
+    )
+    proxy_canary_interval_s: float = Field(
+        30.0, ge=0, description="Seconds between agreement-canary rounds (every ready replica probed for the base "
+        "model and each run's newest adapter, answers compared); 0 = only at loads and re-syncs.",
+    )
+    proxy_canary_tokens: int = Field(
+        4, ge=1, le=64, description="Greedy tokens of one canary probe (its cost; more tokens see smaller faults).",
+    )
+    proxy_canary_logprob_tolerance: float = Field(
+        0.02, ge=0, description="Largest log-probability difference between two replicas' canary answers that still "
+        "counts as the same weights (batch composition moves the last digits; README 'Agreement canary').",
+    )
+    proxy_canary_timeout_s: float = Field(
+        60.0, gt=0, description="Timeout of one canary probe (a replica that does not answer in time has no vote).",
+    )
+    proxy_breaker_failures: int = Field(
+        3, ge=1, description="Routed generations failing in a row (5xx, reset, timeout) that take a replica out of "
+        "routing until it generates again (the circuit breaker).",
+    )
+    proxy_breaker_window: int = Field(
+        20, ge=2, description="Routed generations per replica over which the breaker's failure rate is counted.",
+    )
+    proxy_breaker_failure_rate: float = Field(
+        0.5, gt=0, le=1, description="Failed share of the last PROXY_BREAKER_WINDOW generations (once half of it "
+        "is seen) that trips the breaker.",
     )
 
     # --- trainer ----------------------------------------------------------------------------
@@ -227,6 +257,10 @@ class Settings(BaseSettings):
     trainer_attention: Literal["auto", "fa3", "builtin", "torch"] = Field(
         "auto", description="Training attention kernel: auto = the Hub's FA3 on GPU if it can be fetched, else "
         "torch's built-in varlen FlashAttention (builtin); pure PyTorch (torch) on CPU.",
+    )
+    trainer_fast_step: bool = Field(
+        True, description="One GPU: the trainer's fast step (next micro-batches packed in a process, a loss without "
+        "host syncs, fused LoRA products, Liger's RMSNorm/SwiGLU/RoPE if installed); false = TRL's own step.",
     )
     trainer_cpu_threads: int = Field(
         1, ge=0, description="CPU mode: torch threads of the trainer (0 = torch's default); replicas use the rest."

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from lorafleet.vllm_api import metric_total
 from lorafleet_proxy.app import BearerAuth, create_app
 from lorafleet_proxy.sync import LOAD_RETRY_FIRST_S
 from lorafleet_testing.fakes import ENGINE_DEAD, FakeReplica, Running, start_fakes, start_server
+from lorafleet_testing.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -24,18 +24,6 @@ FAST = {"proxy_health_interval_s": 0.05, "proxy_eject_after": 2, "proxy_lora_loa
 RETRIES = 3
 ROUND_TRIP_S = 0.5
 RETRY_DEADLINE_S = LOAD_RETRY_FIRST_S * (2 ** (RETRIES - 1) - 1) + RETRIES * ROUND_TRIP_S
-
-
-async def until(condition: Callable[[], Awaitable[Any]], what: str, timeout: float = 5.0) -> Any:
-    """Poll `condition()` every 20 ms until it returns something truthy; fail naming `what` if it never does."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = await condition()
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
-        await asyncio.sleep(0.02)
 
 
 class Fleet:

@@ -95,6 +95,7 @@ class FakeFleet:
         self.read: dict[str, bool] = dict.fromkeys(replicas, True)  # whether /fleet carries the replica's server_info
         self.errors: dict[str, str] = {}  # the proxy's last_error per replica
         self.generates: dict[str, bool | None] = dict.fromkeys(replicas, True)  # the proxy's warm-up verdict
+        self.canary: dict[str, str] = {}  # the proxy's agreement-canary failure per replica
         self.serves = list(replicas)  # replicas the proxy routes generations to (among the adapter's holders)
         self.routed = 0
         self.budget_full = False  # runs sharing the fleet reserve every LoRA slot: the proxy refuses other loads
@@ -128,6 +129,7 @@ class FakeFleet:
                     "replicas": [{"url": url, "state": self.states[url], "routed": 3, "inflight": self.inflight,
                                   "adapters": dict(self.adapters[url]), "last_error": self.errors.get(url),
                                   "generates": self.generates[url],
+                                  "canary": {"agrees": url not in self.canary, "failure": self.canary.get(url)},
                                   "server_info": self.info[url] if self.read[url] else None} for url in self.info],
                     "ledger": [{"name": n, "path": p} for n, p in self.ledger],
                     "router": {"mode": "affinity", "block_size": 128}, "min_ready": 1,
@@ -415,6 +417,16 @@ async def test_a_replica_that_cannot_generate_fails_naming_it(fleet, settings):
     _one(check_fleet(await _snapshot(fleet, settings)), Status.FAIL, "cannot generate", R2, "EngineCore")
     fleet.generates[R2] = None  # not tried yet (still loading): only a WARN
     _one(check_fleet(await _snapshot(fleet, settings)), Status.WARN, f"{R2} is syncing")
+
+
+async def test_a_replica_the_canary_took_out_fails_naming_it(fleet, settings):
+    """Its answers departed from the others': other weights under a name. A FAIL naming it, with the canary's why."""
+    fleet.states[R2] = "syncing"
+    fleet.canary[R2] = "http://r2 departs from the majority's answer (largest logprob difference 0.31)"
+    _one(check_fleet(await _snapshot(fleet, settings)), Status.FAIL, "other weights", R2, "departs from")
+    del fleet.canary[R2]
+    fleet.states[R2] = "ready"
+    _one(check_fleet(await _snapshot(fleet, settings)), Status.PASS, "all ready")
 
 
 async def test_unreachable_replica_the_proxy_holds_back_is_not_a_failure(fleet, settings):

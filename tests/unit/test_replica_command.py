@@ -16,7 +16,7 @@ from lorafleet.adapters import fleet_dir
 from lorafleet.settings import ConfigError, load_settings
 from lorafleet_replica.claim import claim_device
 from lorafleet_replica.command import OWN_VLLM_VARIABLES, build_launch
-from lorafleet_replica.main import EXIT_NO_DEVICE, core_list
+from lorafleet_replica.main import EXIT_NO_DEVICE, core_list, offline_for_local_model
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -65,6 +65,31 @@ def test_cpu_mode_runs_the_model_in_the_engine_process_unless_told_otherwise():
     assert "--distributed-executor-backend" not in mp.argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in mp.env
     gpu = build_launch(load_settings(replica_device="gpu"), "0")
     assert "--distributed-executor-backend" not in gpu.argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu.env
+
+
+@pytest.mark.parametrize(("core_set", "threads", "places"), [("0", "1", "{0}"), ("0-3", "4", "{0,1,2,3}"),
+                                                        ("1,4-5", "3", "{1,4,5}")])
+def test_uni_binds_the_models_openmp_threads_to_the_core_set(core_set, threads, places):
+    # vLLM binds only an mp worker (vllm/utils/ompmultiprocessing.py); under uni lorafleet gives the same variables
+    launch = build_launch(load_settings(replica_device="cpu"), core_set)
+    env = launch.environment({"PATH": "/bin"})
+    assert (env["OMP_NUM_THREADS"], env["OMP_PLACES"], env["OMP_PROC_BIND"]) == (threads, places, "true")
+    assert launch.shown_env()["OMP_NUM_THREADS"] == threads
+
+
+def test_an_operators_openmp_settings_win_and_mp_and_gpu_set_none():
+    launch = build_launch(load_settings(replica_device="cpu"), "0-1")
+    env = launch.environment({"OMP_NUM_THREADS": "1", "OMP_PROC_BIND": "false"})
+    assert (env["OMP_NUM_THREADS"], env["OMP_PROC_BIND"], env["OMP_PLACES"]) == ("1", "false", "{0,1}")
+    for settings in (load_settings(replica_device="cpu", vllm_cpu_executor="mp"), load_settings(replica_device="gpu")):
+        env = build_launch(settings, "0").environment({})
+        assert not {"OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND"} & env.keys()
+
+
+def test_a_local_model_keeps_the_openmp_defaults(tmp_path: Path):
+    settings = load_settings(replica_device="cpu", base_model=str(tmp_path))
+    launch = offline_for_local_model(settings, build_launch(settings, "0"))
+    assert launch.env["HF_HUB_OFFLINE"] == "1" and launch.env_defaults["OMP_NUM_THREADS"] == "1"
 
 
 def test_extra_args_are_appended_last_and_shell_split():

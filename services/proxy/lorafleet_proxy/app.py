@@ -63,6 +63,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await fleet.start()
     fleet.supervise("leases", app.state.runs.expire_idle,
                     min(settings.run_lease_s / 4, settings.proxy_health_interval_s))
+    if settings.proxy_canary_interval_s > 0:
+        fleet.supervise("canary", fleet.canary_round, settings.proxy_canary_interval_s)
     try:
         yield
     finally:

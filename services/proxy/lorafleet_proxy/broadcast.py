@@ -87,11 +87,16 @@ def _failures(results: list[tuple[Replica, Any]]) -> list[tuple[Replica, VLLMErr
 
 
 def _forget(fleet: Fleet, name: str, replicas: list[Replica]) -> None:
-    """`name` is gone from these replicas: drop it from the router and from their views."""
+    """`name` is gone from these replicas: drop it from the router and from their views; once it is out of the
+    ledger too, its canary references and answer counts go (bounded memory and metric labels)."""
     fleet.router.drop_adapter(name)
     for replica in replicas:
         replica.adapters.pop(name, None)
         replica.held.pop(name, None)
+        replica.served.pop(name, None)
+    if fleet.ledger.get(name) is None:
+        fleet.canary.forget(name)
+        fleet.metrics.forget_answers(adapter=name)
 
 
 # --- load ------------------------------------------------------------------------------------------
@@ -146,6 +151,10 @@ async def _load(fleet: Fleet, targets: list[Replica], name: str, entry: Entry,
     failed = _failures(results)
     if failed:
         return await _roll_back(fleet, name, loaded, failed, len(targets))
+    if fleet.ledger.paused is None:  # a paused replica would queue the probe: the round after the resume asks
+        refusal = await _canary_gate(fleet, name, entry, [r for r in targets if r.state is State.READY], deadline)
+        if refusal is not None:
+            return refusal
     if not entry.fingerprint:  # the volume may have caught up while the replicas retried
         entry = Entry(path, await asyncio.to_thread(fingerprint, path), run)
     if not entry.fingerprint and known is not None and known.path == path:
@@ -163,6 +172,33 @@ async def _load(fleet: Fleet, targets: list[Replica], name: str, entry: Entry,
     log.info("load ok name=%s path=%s fingerprint=%s replicas=%d (already there: %d)", name, path,
              entry.fingerprint or "-", len(targets), len(targets) - len(todo))
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def _canary_gate(fleet: Fleet, name: str, entry: Entry, holders: list[Replica],
+                       deadline: float) -> Response | None:
+    """The load answers only after the canary ran on it: a replica whose answer departs is quarantined before it
+    ever serves the name. Without a majority (two replicas that disagree) both reload the adapter from its files
+    once and are asked again; if they still disagree nothing tells which is right, and the load is rolled back."""
+    key = (name, entry.fingerprint or entry.path)
+    odd, decided, why = await fleet.judge(name, holders, key)
+    if not decided and len(holders) > 1:
+        log.warning("canary undecided at the load of %s (%s): reloading it on %d replicas", name, why, len(holders))
+        await _each(fleet, holders, lambda replica: _reload(replica, name, entry.path, deadline))
+        odd, decided, why = await fleet.judge(name, holders, key)
+        if not decided:
+            await _unload_from(fleet, name, holders, "rollback: the canary could not decide")
+            return error(502, f"canary: the replicas answer differently with {name!r} even after reloading it, and "
+                         f"no majority can tell which is right ({why}); the load was rolled back", "CanaryDisagreement")
+    for replica in odd:
+        fleet.quarantine(replica, name, why)
+    return None if fleet.ready() else no_ready_replica(fleet)
+
+
+async def _reload(replica: Replica, name: str, path: str, deadline: float) -> str:
+    """Unload, reset the prefix cache, load again: the adapter read afresh from its files."""
+    await replica.client.unload_lora_adapter(name)
+    await replica.client.reset_prefix_cache()
+    return await load_until(replica.client, name, path, deadline)
 
 
 def _same(known: Entry, entry: Entry) -> bool:

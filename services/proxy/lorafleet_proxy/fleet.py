@@ -14,8 +14,17 @@
 - syncing, then the catch-up (sync.py): it loads the ledger's adapters, matches the fleet's pause state and marks
   the replica ready, within PROXY_LORA_LOAD_TIMEOUT_S. A failed warm-up or catch-up is retried by the health
   loop after a backoff that doubles up to PROXY_SYNC_BACKOFF_MAX_S.
+- syncing ends with the canary (canary.py): the replica answers one probe per subject that has an agreed answer
+  (the base model, the ledger's adapters), and is ready only if it agrees.
 - ready: only ready replicas get traffic and take part in broadcasts. Every health round reconciles it: a replica
-  whose adapters or pause state stop matching the ledger (it restarted) goes back to syncing.
+  whose adapters or pause state stop matching the ledger (it restarted) goes back to syncing. Readiness is kept,
+  not granted once:
+  - the agreement canary (every PROXY_CANARY_INTERVAL_S, and at every load) sends a replica whose answer departs
+    from the others' back to syncing (`quarantine`): the doubted adapter unloaded and reloaded, the prefix cache
+    reset, then probed again; `canary_failure` says why in GET /fleet until it agrees;
+  - the circuit breaker ejects a replica whose routed generations fail (5xx, reset, timeout)
+    PROXY_BREAKER_FAILURES times in a row or beyond PROXY_BREAKER_FAILURE_RATE of the last
+    PROXY_BREAKER_WINDOW; it comes back through the warm-up, i.e. once it generates again.
 - ejected, when it misbehaves; it re-syncs once it answers again:
   - connection refused or reset (it died): at once;
   - /health timing out (busy, or hung): only once timeouts have lasted PROXY_EJECT_SLOW_AFTER_S;
@@ -43,6 +52,7 @@ from lorafleet.runs import run_of
 from lorafleet.settings import Settings
 from lorafleet.vllm_api import VLLMClient, VLLMError, VLLMUnreachable, metric_total
 
+from .canary import BASE_SUBJECT, Canary, Key
 from .discovery import resolve
 from .ledger import Ledger, LedgerWriteError
 from .metrics import Metrics
@@ -61,6 +71,14 @@ WARM_UP_PROMPT = "Hello"
 # on CPU compiles for tens of seconds, minutes on a busy 2-core box. A hung replica is ejected by the health loop,
 # which cancels its sync, long before this.
 WARM_UP_TIMEOUT_S = 600.0
+
+
+class CanaryDisagreement(VLLMError):
+    """A syncing replica's canary answer departs from the fleet's agreed answer: it stays out of routing."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0, message, "CanaryDisagreement")
+        self.args = (message,)  # read as what it says, not as an HTTP status
 
 
 class CannotGenerate(VLLMError):
@@ -111,6 +129,7 @@ class Fleet:
         self._cancelled: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._block_sizes: set[int] = set()
+        self.canary = Canary(settings, self.metrics)
 
     @contextlib.asynccontextmanager
     async def broadcasting(self) -> AsyncIterator[None]:
@@ -151,6 +170,7 @@ class Fleet:
             for per_replica in (self.metrics.inflight, self.metrics.replica_adapters):
                 with contextlib.suppress(KeyError):
                     per_replica.remove(url)
+            self.metrics.forget_answers(replica=url)
             log.warning("replica removed url=%s (no longer discovered) state=%s", url, replica.state)
 
     def loops_alive(self) -> bool:
@@ -289,6 +309,109 @@ class Fleet:
         self.router.forget_replica(replica.url)
         self._cancel_sync(replica)
         self._start_sync(replica)
+
+    def quarantine(self, replica: Replica, subject: str, reason: str) -> None:
+        """The canary doubts `replica`'s weights for `subject`: out of routing now, re-synced with that adapter
+        reloaded and its prefix cache reset, and probed again before it is ready."""
+        if replica.state is not State.READY and replica.state is not State.SYNCING:
+            return
+        self.metrics.canary_disagreements.inc()
+        replica.suspect.add(subject)
+        replica.canary_failure = reason
+        log.error("replica quarantined by the canary url=%s subject=%s: %s", replica.url, subject or "base", reason)
+        self.resync(replica, f"canary: {reason}")
+
+    def generation_done(self, replica: Replica, failed: bool, reason: str = "") -> None:
+        """The breaker's count of one routed generation; trips (ejects) a replica whose generations keep failing."""
+        window = self.settings.proxy_breaker_window
+        replica.outcomes.append(failed)
+        if len(replica.outcomes) > window:
+            replica.outcomes.popleft()
+        replica.failing = replica.failing + 1 if failed else 0
+        if not failed or replica.state is not State.READY:
+            return
+        share = sum(replica.outcomes) / len(replica.outcomes)
+        in_a_row = replica.failing >= self.settings.proxy_breaker_failures
+        if in_a_row or (len(replica.outcomes) * 2 >= window and share >= self.settings.proxy_breaker_failure_rate):
+            why = (f"{replica.failing} generations failed in a row" if in_a_row else
+                   f"{share:.0%} of the last {len(replica.outcomes)} generations failed")
+            self.metrics.breaker_trips.inc()
+            replica.outcomes.clear()
+            replica.failing = 0
+            replica.sync_failures += 1  # it comes back after a backoff, through the warm-up (it must generate)
+            self.eject(replica, f"circuit breaker: {why}; last: {reason}")
+            replica.next_sync_at = time.monotonic() + min(
+                self.settings.proxy_health_interval_s * 2 ** replica.sync_failures,
+                self.settings.proxy_sync_backoff_max_s)
+
+    # --- the agreement canary --------------------------------------------------------------------
+    def subject_key(self, subject: str, replica: Replica | None = None) -> Key:
+        """What a subject's reference is kept under: an adapter's content (fingerprint, else path), the base
+        model's name."""
+        if subject == BASE_SUBJECT:
+            info = replica.info if replica is not None else next((r.info for r in self.ready() if r.info), None)
+            return subject, info.model if info is not None else ""
+        entry = self.ledger.get(subject)
+        return subject, (entry.fingerprint or entry.path) if entry is not None else ""
+
+    def probe_model(self, subject: str, replica: Replica) -> str:
+        if subject != BASE_SUBJECT:
+            return subject
+        return replica.info.model if replica.info is not None else next(
+            (r.info.model for r in self.ready() if r.info is not None), "")
+
+    async def judge(self, subject: str, replicas: list[Replica], key: Key | None = None,
+                    ) -> tuple[list[Replica], bool, str]:
+        """Probe `replicas` for `subject` and judge their answers: (the odd ones, decided, why); `key` where the
+        ledger does not hold the subject yet (a load being answered)."""
+        if not replicas:
+            return [], True, ""
+        model = self.probe_model(subject, replicas[0])
+        answers = await self.canary.probe_all(model, {r.url: r.client for r in replicas})
+        verdict = self.canary.judge(key or self.subject_key(subject, replicas[0]), answers)
+        return [r for r in replicas if r.url in verdict.odd], verdict.decided, verdict.why
+
+    async def verify(self, replica: Replica) -> None:
+        """The end of a catch-up: the replica answers every subject with an agreed answer as agreed, or stays out
+        (raises CanaryDisagreement). Subjects without a reference yet are judged at the next round."""
+        subjects = [BASE_SUBJECT, *self.ledger.entries()]
+        for subject in subjects:
+            key = self.subject_key(subject, replica)
+            if key not in self.canary.references:
+                continue
+            answer = await self.canary.probe(replica.client, self.probe_model(subject, replica))
+            if answer is None:
+                raise CanaryDisagreement(f"canary: no usable answer for {subject or 'the base model'}")
+            if self.canary.agrees_with_reference(key, answer) is False:
+                reference = self.canary.references[key]
+                raise CanaryDisagreement(
+                    f"canary: still departs for {subject or 'the base model'} after a reload and a cache reset "
+                    f"(tokens {list(answer.tokens)} vs {list(reference.tokens)}, largest logprob difference "
+                    f"{answer.distance(reference):.4g})")
+        replica.canary_failure = None
+        replica.suspect.clear()
+
+    def canary_subjects(self) -> list[str]:
+        """The base model and the newest adapter of each run (the versions rollouts are sampled with now)."""
+        newest: dict[str, str] = {}
+        for name, entry in self.ledger.entries().items():
+            newest[entry.run] = name  # the ledger keeps load order: the last one of a run is its newest
+        return [BASE_SUBJECT, *newest.values()]
+
+    async def canary_round(self) -> None:
+        """The periodic round: every subject on every ready replica that serves it; odd replicas quarantined."""
+        self.canary.rounds += 1
+        self.canary.last_round = time.monotonic()
+        for subject in self.canary_subjects():
+            epoch = self.broadcast_epoch
+            holders = [r for r in self.ready() if subject == BASE_SUBJECT or subject in r.adapters]
+            odd, decided, why = await self.judge(subject, holders)
+            if self.lock.locked() or epoch != self.broadcast_epoch:
+                continue  # a broadcast ran meanwhile: these answers may predate it
+            if not decided and len(holders) > 1:
+                log.warning("canary undecided subject=%s: %s", subject or "base", why)
+            for replica in odd:
+                self.quarantine(replica, subject, why)
 
     async def _reconcile(self, replica: Replica) -> None:
         """Compare a ready replica's adapters and pause state with the ledger (a restarted replica lost both)."""

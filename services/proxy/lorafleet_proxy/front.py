@@ -32,7 +32,9 @@ in try/finally, so a client that goes away at any point never leaks a count.
 Runs (the `runs` package decides; the front asks): a request under `/runs/<run>/` is served as the same route
 without the prefix, for that run: its `model` is mapped to the run's fleet-unique adapter name and back in the
 answer (`NameMap`), and, while several runs share the fleet, it waits while its run is paused and takes its turn
-in the fair-share queue (`Runs.turn`). A single-run fleet pays one set lookup for all of that.
+in the fair-share queue (`Runs.turn`), which admits it onto a replica with room: the front tells it the request's
+candidates and routes among those with room when asked; the relay goes there first. A single-run fleet pays one set
+lookup for all of that.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from .fleet import Failure, Fleet
 from .metrics import Metrics
 from .replica import KEEPALIVE_EXPIRY_S, Replica
 from .router import BadPrompt, Prompt, Router
-from .runs import NameMap, Runs
+from .runs import NameMap, Runs, Turn
 from .upstream import Answer, ConnectRefused, ConnectTimeout, Pool, ReadTimeout, UpstreamError
 
 log = logging.getLogger("lorafleet.proxy.front")
@@ -64,6 +66,10 @@ ROUTES = ("/v1/completions", "/v1/chat/completions")  # generation: POST, routed
 READ_ONLY_ROUTES = {"/tokenize": "POST", "/detokenize": "POST", "/version": "GET", "/is_sleeping": "GET"}
 NOT_FOUND_MARK = b"does not exist"  # vLLM's 404 for a model it does not serve (see README)
 UPSTREAM_HEADER = PROXY_UPSTREAM_HEADER.lower().encode()  # which replica answered (tests and operators read it)
+# Provenance of a generation answer (README "Provenance"): the weights that produced it, by their fleet name (an
+# adapter's fleet-unique name, or the base model's), and the run it was served for.
+ADAPTER_HEADER = b"x-lorafleet-adapter"
+RUN_HEADER = b"x-lorafleet-run"
 PASSED_RESPONSE_HEADERS = ("content-type", "x-request-id")
 CONNECT_TIMEOUT_S = 10.0
 
@@ -78,6 +84,7 @@ class Failed:
 
     response: Response
     retry: bool
+    fault: bool = True  # the replica failed (5xx, reset, timeout): the circuit breaker counts it
 
 
 def parse(raw: bytes) -> dict[str, Any] | Response:
@@ -241,16 +248,19 @@ class Front:
         if not self.runs.shared:
             await self.relay(scope, raw, receive, send, adapter, prompts, stream, model, names)
             return
-        async with self.runs.turn(self.runs.of(scope), body) as answers:
-            await self.relay(scope, raw, receive, send, adapter, prompts, stream, model, names, answers)
+        candidates = lambda: [replica.url for replica in self.candidates(adapter, set())[0]]  # noqa: E731
+        async with self.runs.turn(self.runs.of(scope), body, candidates,
+                                  lambda room: self.route(adapter, prompts, room)) as turn:
+            await self.relay(scope, raw, receive, send, adapter, prompts, stream, model, names, turn)
 
     async def relay(self, scope: Scope, raw: bytes, receive: Receive, send: Send, adapter: str = "",
                     prompts: list[Prompt] | None = None, stream: bool = False, shown: str = "",
-                    names: NameMap | None = None, answers: list[bytes] | None = None) -> None:
+                    names: NameMap | None = None, turn: Turn | None = None) -> None:
         """Relay to one candidate replica, retrying on another; `prompts` None: the least loaded, no routing.
 
-        `shown`: the model as the client named it; `names`: the run's names to write back; `answers` gets the body of a
-        non-streamed answer (token counts)."""
+        `shown`: the model as the client named it; `names`: the run's names to write back; `turn` (shared runs): the
+        fair-share turn, whose replica goes first and whose `answers` get the body of a non-streamed answer (token
+        counts)."""
         path: str = scope["path"]
         url = path + ("?" + scope["query_string"].decode("latin-1") if scope["query_string"] else "")
         tried: set[str] = set()
@@ -259,15 +269,20 @@ class Front:
             candidates, held = self.candidates(adapter, tried)
             if not candidates:
                 break
-            if prompts is None:
+            placed = turn.replica if turn is not None and not tried else None
+            if placed is not None and any(candidate.url == placed for candidate in candidates):
+                replica = self.fleet.replicas[placed]  # routed when its turn came
+            elif prompts is None:
                 replica = min(candidates, key=lambda candidate: candidate.load)
             else:
-                decision = self.router.choose(adapter, prompts, {r.url: r.load for r in candidates})
-                self.outcomes[decision.outcome].inc()
-                replica = self.fleet.replicas[decision.replica]
+                replica = self.fleet.replicas[self.route(adapter, prompts, [r.url for r in candidates])]
+            if turn is not None:
+                turn.moved(replica.url)  # a retry's slot goes with it
             tried.add(replica.url)
+            subject = (adapter or self.base_name(replica)) if prompts is not None else None
             failed = await self.attempt(replica, scope["method"], path, url, raw, stream, held, send, receive,
-                                        names, answers)
+                                        names, turn.answers if turn is not None else None, subject,
+                                        self.runs.of(scope))
             if failed is None:
                 return
             last = failed.response
@@ -276,6 +291,12 @@ class Front:
         if last is None:
             last = no_ready_replica(self.fleet) if not self.fleet.ready() else model_not_found(shown or adapter)
         await last(scope, receive, send)
+
+    def route(self, adapter: str, prompts: list[Prompt], urls: list[str]) -> str:
+        """The router's choice among `urls` for these prompts (recorded there, counted by outcome)."""
+        decision = self.router.choose(adapter, prompts, {url: self.fleet.replicas[url].load for url in urls})
+        self.outcomes[decision.outcome].inc()
+        return decision.replica
 
     def candidates(self, adapter: str, tried: set[str]) -> tuple[list[Replica], bool]:
         """Untried ready replicas that can serve `adapter`, and whether the name is a loaded adapter."""
@@ -287,10 +308,37 @@ class Front:
             return holders, True
         return [replica for replica in ready if serves_base(replica, adapter)], False
 
+    @staticmethod
+    def base_name(replica: Replica) -> str:
+        return replica.info.model if replica.info is not None else ""
+
     async def attempt(self, replica: Replica, method: str, path: str, url: str, raw: bytes, stream: bool,
                       held: bool, send: Send, receive: Receive, names: NameMap | None = None,
-                      answers: list[bytes] | None = None) -> Failed | None:
-        """One exchange with one replica; None once the client has its answer, else why it failed."""
+                      answers: list[bytes] | None = None, subject: str | None = None, run: str = "") -> Failed | None:
+        """One exchange with one replica; None once the client has its answer, else why it failed.
+
+        `subject` (generations only): the weights asked for, by fleet name; the answer carries it and the run as
+        provenance headers, is counted per (replica, adapter), and the circuit breaker counts its outcome."""
+        provenance = [] if subject is None else [(ADAPTER_HEADER, subject.encode()), (RUN_HEADER, run.encode())]
+        try:
+            failed = await self._exchange(replica, method, path, url, raw, stream, held, send, receive, names,
+                                          answers, provenance)
+        except StreamBroken as exc:
+            if subject is not None:
+                self.fleet.generation_done(replica, True, str(exc))
+            raise
+        if subject is not None:
+            if failed is None:
+                replica.served[subject] = replica.served.get(subject, 0) + 1
+                self.metrics.count_answer(replica.url, subject)
+                self.fleet.generation_done(replica, False)
+            elif failed.fault:
+                self.fleet.generation_done(replica, True, f"{failed.response.status_code} on {path}")
+        return failed
+
+    async def _exchange(self, replica: Replica, method: str, path: str, url: str, raw: bytes, stream: bool,
+                        held: bool, send: Send, receive: Receive, names: NameMap | None,
+                        answers: list[bytes] | None, provenance: list[tuple[bytes, bytes]]) -> Failed | None:
         replica.inflight += 1
         replica.routed += 1
         started = time.perf_counter()
@@ -308,16 +356,19 @@ class Front:
                     self.retries[reason].inc()
                     log.warning("upstream %s path=%s status=%d body=%.300s; retrying elsewhere", replica.url,
                                 path, status, content.decode(errors="replace"))
-                    headers = {name.decode(): value.decode("latin-1") for name, value in self._headers(answer, replica)}
-                    return Failed(Response(content, status, headers), True)
+                    headers = {name.decode(): value.decode("latin-1")
+                               for name, value in self._headers(answer, replica, provenance)}
+                    return Failed(Response(content, status, headers), True, fault=status >= 500)
                 await send({"type": "http.response.start", "status": status,
-                            "headers": [*self._headers(answer, replica), (b"content-length", b"%d" % len(content))]})
+                            "headers": [*self._headers(answer, replica, provenance),
+                                        (b"content-length", b"%d" % len(content))]})
                 await send({"type": "http.response.body", "body": content})
                 if answers is not None:
                     answers.append(content)
                 return None
             self.latencies[path].observe(time.perf_counter() - started)
-            await send({"type": "http.response.start", "status": status, "headers": self._headers(answer, replica)})
+            await send({"type": "http.response.start", "status": status,
+                        "headers": self._headers(answer, replica, provenance)})
             await self._relay_stream(answer, replica, path, send, receive, names)
             return None
         except ConnectTimeout as exc:  # slow to accept: ejected only if it lasts
@@ -383,6 +434,6 @@ class Front:
         return Failed(error(502, f"replica {replica.url} failed: {reason}", "BadGateway"), True)
 
     @staticmethod
-    def _headers(answer: Answer, replica: Replica) -> list[tuple[bytes, bytes]]:
-        """The replica's kept headers (content type, request id) and which replica answered."""
-        return [*answer.headers, (UPSTREAM_HEADER, replica.url.encode())]
+    def _headers(answer: Answer, replica: Replica, provenance: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The replica's kept headers (content type, request id), which replica answered, and with what weights."""
+        return [*answer.headers, (UPSTREAM_HEADER, replica.url.encode()), *provenance]

@@ -93,7 +93,21 @@ class Metrics:
                                     "budget (409).", registry=r)
         self.run_expirations = Counter("lorafleet_proxy_run_expirations", "Runs expired after RUN_LEASE_S without a "
                                        "request (adapters unloaded fleet-wide).", registry=r)
+        # --- provenance, the agreement canary, the circuit breaker (canary.py, fleet.py) ----------------
+        self.answers = Counter("lorafleet_proxy_answers", "Generation answers per replica and adapter (fleet name; the "
+                               "base model as named): which weights served what. Series go with the adapter.",
+                               ["replica", "adapter"], registry=r)
+        self.canary_probes = Counter("lorafleet_proxy_canary_probes", "Canary probes sent to replicas.", registry=r)
+        self.canary_probe_failures = Counter("lorafleet_proxy_canary_probe_failures", "Canary probes without a usable "
+                                             "answer (no vote).", registry=r)
+        self.canary_disagreements = Counter("lorafleet_proxy_canary_disagreements", "Replicas taken out of routing "
+                                            "because their canary answer departed from the others'.", registry=r)
+        self.canary_undecided = Counter("lorafleet_proxy_canary_undecided", "Canary rounds where replicas disagreed "
+                                        "and neither a majority nor a reference could tell which is right.", registry=r)
+        self.breaker_trips = Counter("lorafleet_proxy_breaker_trips", "Replicas taken out of routing by the circuit "
+                                     "breaker (generations failing).", registry=r)
         self._paused_at: float | None = None
+        self._answer_counts: dict[tuple[str, str], Any] = {}  # children of `answers`, looked up once each
         self._request_counts: dict[tuple[str, int], Any] = {}  # children of `requests`, looked up once each
         for op in BROADCAST_OPS:
             for outcome in BROADCAST_OUTCOMES:
@@ -107,6 +121,19 @@ class Metrics:
         if child is None:
             child = self._request_counts[route, status] = self.requests.labels(route, str(status))
         child.inc()
+
+    def count_answer(self, replica: str, adapter: str) -> None:
+        """One generation answered by `replica` with `adapter`'s weights (hot path: the child is looked up once)."""
+        child = self._answer_counts.get((replica, adapter))
+        if child is None:
+            child = self._answer_counts[replica, adapter] = self.answers.labels(replica, adapter)
+        child.inc()
+
+    def forget_answers(self, *, replica: str | None = None, adapter: str | None = None) -> None:
+        """Drop the answer series of a replica that left or an adapter that left the fleet (bounded labels)."""
+        for key in [key for key in self._answer_counts if key[0] == replica or key[1] == adapter]:
+            del self._answer_counts[key]
+            self.answers.remove(*key)
 
     def broadcast_done(self, op: str, status: int, seconds: float) -> None:
         """One fleet-wide operation answered with HTTP `status` after `seconds`."""

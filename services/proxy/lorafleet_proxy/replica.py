@@ -12,6 +12,7 @@ Two views of its adapters, kept apart on purpose:
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -56,8 +57,13 @@ class Replica:
     sync_failures: int = 0  # consecutive failed syncs: the backoff before the next one doubles
     next_sync_at: float = 0.0
     info: ServerInfo | None = None
-    generates: bool | None = None  # the last warm-up completion succeeded (None: not tried yet); see `sync`
+    generates: bool | None = None  # the last warm-up completion succeeded (None: not tried yet); see fleet.py
     sync_task: asyncio.Task[None] | None = field(default=None, repr=False)
+    suspect: set[str] = field(default_factory=set)  # subjects the canary doubted: reloaded (cache reset) at catch-up
+    canary_failure: str | None = None  # why the canary took it out of routing, until it agrees again
+    served: dict[str, int] = field(default_factory=dict)  # generation answers per adapter (provenance)
+    outcomes: deque[bool] = field(default_factory=deque, repr=False)  # the breaker's window: True = failed
+    failing: int = 0  # routed generations failed in a row
 
     @property
     def load(self) -> int:
@@ -82,4 +88,5 @@ class Replica:
         info = None if self.info is None else {k: v for k, v in self.info.raw.items() if k in SERVER_INFO_KEPT}
         return {"url": self.url, "state": self.state.value, "inflight": self.inflight, "routed": self.routed,
                 "adapters": dict(self.adapters), "last_error": self.last_error, "generates": self.generates,
-                "server_info": info}
+                "canary": {"agrees": self.canary_failure is None, "failure": self.canary_failure},
+                "served": dict(self.served), "server_info": info}

@@ -32,6 +32,8 @@ class SyncFleet(Protocol):
     ledger: Ledger
     lock: asyncio.Lock
 
+    async def verify(self, replica: Replica) -> None: ...
+
 
 log = logging.getLogger("lorafleet.proxy.sync")
 
@@ -62,7 +64,8 @@ def differences(replica: Replica, listed: dict[str, str], wanted: dict[str, Entr
     for name, path in listed.items():  # held at the ledger's path by a previous proxy: the ledger is the record
         if name not in replica.held and name in wanted and wanted[name].path == path:
             replica.held[name] = wanted[name]
-    stale = [name for name in listed if name not in wanted or not replica.holds(name, wanted[name])]
+    stale = [name for name in listed
+             if name not in wanted or not replica.holds(name, wanted[name]) or name in replica.suspect]
     missing = [name for name in wanted if name not in listed or name in stale]
     return stale, missing
 
@@ -81,6 +84,9 @@ def mismatch(replica: Replica, listed: dict[str, str], paused: bool, wanted: dic
 async def catch_up(fleet: SyncFleet, replica: Replica, deadline: float) -> None:
     """Loop until `replica` holds exactly the ledger and the fleet's pause state, then mark it ready (or return
     when another sync superseded this one)."""
+    if "" in replica.suspect:  # the canary doubted its base model: no cache block computed before survives
+        await replica.client.reset_prefix_cache()
+        replica.suspect.discard("")
     while True:
         listed = await replica.client.loaded_adapters()
         replica.observe(listed)
@@ -94,6 +100,8 @@ async def catch_up(fleet: SyncFleet, replica: Replica, deadline: float) -> None:
             await replica.client.pause(paused)  # type: ignore[arg-type]
         else:
             await replica.client.resume()
+        if paused is None:
+            await fleet.verify(replica)  # the canary's probe (a paused replica would queue it until the resume)
         listed = await replica.client.loaded_adapters()  # read after the last change
         replica.observe(listed)
         async with fleet.lock:  # no broadcast half-done, and no replica I/O from here on
@@ -121,8 +129,11 @@ async def _apply(replica: Replica, wanted: dict[str, Entry], stale: list[str], m
             if exc.status != 404:
                 raise
         replica.held.pop(name, None)
+        if name not in wanted:
+            replica.suspect.discard(name)
     if any(name in wanted for name in stale):
-        await replica.client.reset_prefix_cache()  # a name rebound to new weights: no stale blocks
+        await replica.client.reset_prefix_cache()  # a name rebound to new weights, or doubted: no stale blocks
     for name in missing:
         await load_until(replica.client, name, wanted[name].path, deadline)
         replica.held[name] = wanted[name]
+        replica.suspect.discard(name)

@@ -35,13 +35,17 @@ class Launch:
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    # Set only where the inherited environment does not (an operator's OMP_NUM_THREADS wins, as in vLLM).
+    env_defaults: dict[str, str] = field(default_factory=dict)
 
     def shown_env(self) -> dict[str, str]:
-        """`env` for printing: the API key masked."""
-        return {key: "<secret>" if key == API_KEY_VARIABLE else value for key, value in self.env.items()}
+        """`env` (over `env_defaults`) for printing: the API key masked."""
+        shown = {**self.env_defaults, **self.env}
+        return {key: "<secret>" if key == API_KEY_VARIABLE else value for key, value in shown.items()}
 
     def environment(self, inherited: Mapping[str, str]) -> dict[str, str]:
-        merged = {key: value for key, value in inherited.items() if key not in OWN_VLLM_VARIABLES}
+        merged = dict(self.env_defaults)
+        merged.update((key, value) for key, value in inherited.items() if key not in OWN_VLLM_VARIABLES)
         merged.update(self.env)
         return merged
 
@@ -65,6 +69,7 @@ def build_launch(settings: Settings, device: str | None) -> Launch:
         "--generation-config", "vllm",
     ]  # fmt: skip
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    defaults: dict[str, str] = {}
     if settings.proxy_upstream_token:
         env[API_KEY_VARIABLE] = settings.proxy_upstream_token
     if settings.replica_device == "gpu":
@@ -83,5 +88,30 @@ def build_launch(settings: Settings, device: str | None) -> Launch:
             # engine's shared-memory queue after every step, goes (make bench-replica measures both).
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             argv += ["--distributed-executor-backend", "uni"]
+            defaults = omp_binding(device)
     argv += shlex.split(settings.vllm_extra_args)
-    return Launch(argv=argv, env=env)
+    return Launch(argv=argv, env=env, env_defaults=defaults)
+
+
+def core_ids(core_set: str) -> list[int]:
+    """"0-3,6" -> [0, 1, 2, 3, 6]: the core-set syntax of VLLM_CPU_SETS."""
+    cores: list[int] = []
+    for item in core_set.split(","):
+        first, _, last = item.strip().partition("-")
+        cores += range(int(first), int(last or first) + 1)
+    return cores
+
+
+def omp_binding(core_set: str) -> dict[str, str]:
+    """OpenMP's thread count and binding for a `uni` CPU replica: one thread per core of its set, bound to them.
+
+    vLLM applies VLLM_CPU_OMP_THREADS_BIND only when it spawns an `mp` worker (vllm/utils/ompmultiprocessing.py
+    sets OMP_NUM_THREADS, OMP_PLACES and OMP_PROC_BIND for that child). Under `uni` nothing does: the engine core ran
+    the model with torch's default of one OpenMP thread per core of the machine, unbound, whose spinning helpers
+    fought the scheduler, the output thread and the API server for the same cores (3.5x fewer streamed rollouts
+    than `mp` in make bench-sync). These are the variables vLLM gives its worker, so `uni` runs the model as `mp`
+    does; libgomp binds each process that loads it (API server and engine core) to the set at start-up.
+    """
+    cores = core_ids(core_set)
+    return {"OMP_NUM_THREADS": str(len(cores)), "OMP_PLACES": "{" + ",".join(map(str, cores)) + "}",
+            "OMP_PROC_BIND": "true"}

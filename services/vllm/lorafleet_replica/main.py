@@ -9,6 +9,7 @@ the runtime exposes it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -84,7 +85,7 @@ def resolve_vllm(argv: list[str]) -> list[str]:
 def offline_for_local_model(settings: Settings, launch: Launch) -> Launch:
     """A base model given as a local directory needs no Hub access: keep the Hub client offline."""
     if Path(settings.base_model).is_dir():
-        return Launch(argv=launch.argv, env={**launch.env, "HF_HUB_OFFLINE": "1"})
+        return dataclasses.replace(launch, env={**launch.env, "HF_HUB_OFFLINE": "1"})
     return launch
 
 

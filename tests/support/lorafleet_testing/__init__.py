@@ -6,7 +6,8 @@
   also proven without an engine by tests/compose;
 - `compose_helpers`: the static compose/Dockerfile checks' parsers (tests/compose, tests/kubernetes);
 - `traffic`: light completion traffic in a thread (the stack test's evaluation traffic, bench/replica_cpu_bench.py);
-- `trainers`: waiting for a real `lorafleet-train` the integration tests started.
+- `trainers`: waiting for a real `lorafleet-train` the integration tests started;
+- `waiting`: `until`, polling for a condition the system reaches by itself.
 """
 
 from __future__ import annotations

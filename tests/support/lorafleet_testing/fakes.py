@@ -48,6 +48,7 @@ from lorafleet.ledger_file import fingerprint
 from lorafleet.processes import free_port
 from lorafleet.vllm_api import error_body
 from lorafleet_proxy.app import BearerAuth, ProxyApp
+from lorafleet_proxy.canary import CANARY_PROMPT
 from lorafleet_proxy.fleet import WARM_UP_PROMPT
 from lorafleet_proxy.server_protocol import CoalescingHttpToolsProtocol
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -122,6 +123,12 @@ class Faults:
     healthy: bool = True
     hung: bool = False  # every request waits until this is cleared (a replica stuck in a long step)
     malformed_models: bool = False  # /v1/models answers 200 with cards that lack their fields
+    # Engine bugs that decode with other weights than the name says (the agreement canary's faults), replayed:
+    # name -> the weights it really decodes with ("" = the base model; else an adapter's content fingerprint).
+    # An adapter in the wrong slot (vllm#47724): another adapter's fingerprint; the base model for an adapter
+    # (verl#3821), or an adapter silently dropped after sleep/wake (vllm#53888): "". Listed and loaded as usual.
+    decode_as: dict[str, str] = field(default_factory=dict)
+    stale_reload: bool = False  # a reload of a known name keeps decoding its first weights (vllm#42125)
 
 
 @dataclass
@@ -135,11 +142,13 @@ class FakeReplica:
     faults: Faults = field(default_factory=Faults)
     adapters: dict[str, str] = field(default_factory=dict)
     fingerprints: dict[str, str] = field(default_factory=dict)  # content of each adapter when it was loaded
+    first_fingerprints: dict[str, str] = field(default_factory=dict)  # the first content each name was loaded with
     paused: str | None = None
     calls: list[tuple[str, Any]] = field(default_factory=list)  # (path, payload) of every state-changing call
     received: list[Received] = field(default_factory=list)  # every request, as it arrived (see `served`)
     completions: int = 0  # generation traffic (the proxy's one-token warm-ups are counted in warm_ups)
     warm_ups: int = 0
+    canary_probes: int = 0  # the proxy's agreement-canary probes, not traffic either
     url: str = ""
     cached_blocks: set[bytes] = field(default_factory=set)  # a prefix cache that never evicts (token prompts)
     prompt_blocks: int = 0
@@ -161,6 +170,7 @@ class FakeReplica:
         """What a restarted vLLM holds: nothing loaded, not paused, a cold cache."""
         self.adapters.clear()
         self.fingerprints.clear()
+        self.first_fingerprints.clear()
         self.paused = None
         self.cached_blocks.clear()
 
@@ -213,6 +223,7 @@ class FakeReplica:
                                   "adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
             self.adapters[name] = path
             self.fingerprints[name] = fingerprint(path)  # vLLM reads the files during the call
+            self.first_fingerprints.setdefault(name, self.fingerprints[name])
             return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
         @app.post("/v1/unload_lora_adapter")
@@ -245,6 +256,7 @@ class FakeReplica:
         @app.post("/reset_prefix_cache")
         async def reset_prefix_cache() -> Response:
             self.calls.append(("/reset_prefix_cache", None))
+            self.first_fingerprints = dict(self.fingerprints)  # no block computed with earlier weights survives
             return JSONResponse({"success": True})
 
         @app.post("/v1/completions")
@@ -252,6 +264,8 @@ class FakeReplica:
             body = await request.json()
             if body.get("prompt") == WARM_UP_PROMPT and body.get("max_tokens") == 1:
                 self.warm_ups += 1  # the proxy's admission check, not traffic: `completions` counts traffic
+            elif body.get("prompt") == CANARY_PROMPT:
+                self.canary_probes += 1
             else:
                 self.completions += 1
             model = body.get("model")
@@ -266,12 +280,14 @@ class FakeReplica:
                     await asyncio.sleep(self.faults.latency_s + random.uniform(0, self.faults.latency_jitter_s))
             if self.faults.completion_status:
                 return vllm_error(self.faults.completion_status, ENGINE_DEAD, "InternalServerError")
+            chosen = logprobs(self.decoded_with(model))
             answer = {"id": f"cmpl-{self.completions}", "object": "text_completion", "created": int(time.time()),
                       "model": model, "choices": [{"index": 0, "text": " fake", "token_ids": [7, 8, 9],
-                                                   "logprobs": {"token_logprobs": [-0.5, -0.25, -0.125]},
+                                                   "logprobs": {"token_logprobs": chosen,
+                                                                "top_logprobs": top_logprobs(chosen, body)},
                                                    "finish_reason": "length", "stop_reason": None}],
                       "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}, "served_by": self.url,
-                      "served_fingerprint": self.fingerprints.get(model, "")}
+                      "served_fingerprint": self.fingerprints.get(model, ""), "decoded_with": self.decoded_with(model)}
             if self.faults.die_mid_request:
                 return StreamingResponse(_broken_body(json.dumps(answer)), media_type="application/json")
             if body.get("stream"):
@@ -284,6 +300,16 @@ class FakeReplica:
                                  "hit_blocks": self.hit_blocks})
 
         return app
+
+    def decoded_with(self, model: str | None) -> str:
+        """The weights a completion of `model` really decodes with: "" for the base model, else a fingerprint."""
+        if not model or model == self.base_model:
+            return ""
+        if model in self.faults.decode_as:
+            return self.faults.decode_as[model]
+        if self.faults.stale_reload:
+            return self.first_fingerprints.get(model, "")
+        return self.fingerprints.get(model, "")
 
     def _account_prefix_cache(self, model: str, prompt: Any) -> None:
         """Count full blocks of a token prompt found in this replica's cache, as vLLM's prefix cache would."""
@@ -298,6 +324,24 @@ class FakeReplica:
             hitting = hitting and digest in self.cached_blocks
             self.hit_blocks += hitting
             self.cached_blocks.add(digest)
+
+
+def logprobs(weights: str) -> list[float]:
+    """The fake's greedy logprobs for its three tokens: the same weights always give the same numbers (the base
+    model vLLM's own shape of numbers), other weights other numbers, as a real engine's would."""
+    if not weights:
+        return [-0.5, -0.25, -0.125]
+    digest = hashlib.blake2b(weights.encode(), digest_size=3).digest()
+    return [-0.5 - (digest[0] + 1) / 256, -0.25 - (digest[1] + 1) / 256, -0.125 - (digest[2] + 1) / 256]
+
+
+def top_logprobs(chosen: list[float], body: dict[str, Any]) -> list[dict[str, float]] | None:
+    """vLLM's `top_logprobs` for `logprobs: k` (None without it): per token the greedy choice and, for k >= 2, a
+    runner-up one nat behind (never a near-tie)."""
+    wanted = body.get("logprobs")
+    if not isinstance(wanted, int) or isinstance(wanted, bool):
+        return None
+    return [{f" t{i}": value, **({f" r{i}": value - 1.0} if wanted >= 2 else {})} for i, value in enumerate(chosen)]
 
 
 def _sanitized(path: str) -> str:

@@ -29,9 +29,9 @@ back re-registers and republishes (TRL does on start).
 """
 
 from .budget import SlotBook, SlotBudget
-from .fairshare import FairShare
+from .fairshare import FairShare, Ticket
 from .names import RUN_SCOPE_KEY, NameMap, foreign_name, not_its_own, own_name, split_run_path
-from .registry import LiveRun, Runs
+from .registry import LiveRun, Runs, Turn
 
-__all__ = ["RUN_SCOPE_KEY", "FairShare", "LiveRun", "NameMap", "Runs", "SlotBook", "SlotBudget", "foreign_name",
-           "not_its_own", "own_name", "split_run_path"]
+__all__ = ["RUN_SCOPE_KEY", "FairShare", "LiveRun", "NameMap", "Runs", "SlotBook", "SlotBudget", "Ticket", "Turn",
+           "foreign_name", "not_its_own", "own_name", "split_run_path"]

@@ -1,15 +1,32 @@
-"""Fair share of generation between runs: a virtual token counter (VTC) queue at the proxy.
+"""Fair share of generation between runs: a virtual token counter (VTC) queue at the proxy, admitting per replica.
 
-vLLM schedules first come, first served, so a run with four times the requests in flight would get four
-times the tokens. While several runs share the fleet, the proxy lets at most a window of requests
-through (PROXY_FAIR_INFLIGHT_PER_REPLICA per ready replica) and queues the rest per run. Each run has a
-counter of the tokens it was served divided by its weight; when a slot frees, the backlogged run with the
-lowest counter goes next (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24). A request
-is charged its estimate at dispatch (prompt tokens + max_tokens) and corrected to its prompt plus the tokens it
-really generated when it completes, so short answers are not over-charged. A run that becomes backlogged is lifted
-to the lowest counter of the runs with work, so idle time is not banked into a burst that starves others.
-Nothing is refused: requests wait. A lone run never waits behind anyone, and with a single run (no
-named run registered) the front does not enter the scheduler at all.
+vLLM schedules first come, first served, so a run with four times the requests in flight would get four times the
+tokens. While several runs share the fleet, the proxy lets at most a window of requests through to each ready
+replica and queues the rest per run. Each run has a counter of the tokens it was served divided by its weight; when
+a replica has room, the backlogged run with the lowest counter goes next (Sheng et al., "Fairness in Serving Large
+Language Models", OSDI '24). A request is charged its estimate at dispatch (prompt tokens + max_tokens) and
+corrected to its prompt plus the tokens it really generated when it completes, so short answers are not
+over-charged. A run that becomes backlogged is lifted to the lowest counter of the runs with work, so idle time is
+not banked into a burst that starves others. Nothing is refused: requests wait. A lone run never waits behind
+anyone, and with a single run (no named run registered) the front does not enter the scheduler at all.
+
+Per replica, because each engine batches on its own: a fleet-wide window that prefix affinity routes 5:3 queues
+a request in one engine while the other has a batch slot idle. So a request is placed when it is admitted:
+its candidates (the replicas that can serve it now, asked of the front at that moment) are narrowed to those
+with room, the front's router chooses among them, and the request holds a slot of that replica until it
+leaves (a retry moves it). The queue is work-conserving: no replica with room idles while a request it can
+serve waits; a run whose next request has no candidate with room does not hold up another run's that has one.
+A request with no candidate at all (no ready replica serves its model) is let through at once: the front
+answers why.
+
+The window of a replica is its batch (PROXY_FAIR_INFLIGHT_PER_REPLICA) plus a pipeline
+(PROXY_FAIR_PIPELINE_PER_REPLICA) that waits in its engine. An engine refills a batch slot the moment it frees only
+from its own queue; a request the proxy sends when it learns of the finished one arrives an answer's round trip
+later. Measured in `make bench-runs` (200 ms completions, batch 4): that trip held ~1.4 of the 8 batch slots, and a
+window of exactly the batch, fleet-wide or per replica, served 0.81x a lone run's requests/s; one request of
+pipeline per replica closes it. The pipeline is served first come, first served by the engine, but every request in
+it was chosen by the counters, so shares are unchanged; only how soon a newly backlogged run's turn reaches the
+batch moves, by at most the pipeline.
 """
 
 from __future__ import annotations
@@ -17,10 +34,23 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions when the request names none
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's place: its estimate, how to place it, and where it was placed."""
+
+    run: str
+    estimate: int
+    candidates: Callable[[], Sequence[str]]  # the replicas (URLs) that can serve it, asked when a slot is free
+    choose: Callable[[list[str]], str]  # the front's router: one of the candidates with room
+    replica: str | None = None  # where it holds its slot (None: not admitted yet, or no replica can serve it)
+    admitted: bool = False
+    future: asyncio.Future[None] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -30,16 +60,17 @@ class Queue:
     weight: float = 1.0
     counter: float = 0.0
     inflight: int = 0
-    waiting: deque[tuple[asyncio.Future[None], int]] = field(default_factory=deque)  # (turn, its estimate)
+    waiting: deque[Ticket] = field(default_factory=deque)
 
 
 class FairShare:
-    """Admits generation requests into a bounded window, backlogged runs in order of their virtual counters."""
+    """Admits generation requests onto replicas, at most `window()` each, backlogged runs in order of their virtual
+    counters."""
 
     def __init__(self, window: Callable[[], int]) -> None:
-        self.window = window  # how many requests may be in flight on the fleet now
+        self.window = window  # how many requests may be in flight on one replica
         self.queues: dict[str, Queue] = {}
-        self.inflight = 0
+        self.placed: dict[str, int] = {}  # replica URL -> admitted requests holding one of its slots
 
     def queue(self, run: str, weight: float) -> Queue:
         queue = self.queues.get(run)
@@ -48,67 +79,104 @@ class FairShare:
         queue.weight = weight
         return queue
 
+    @property
+    def inflight(self) -> int:
+        """Admitted requests that have not left, on any replica or none."""
+        return sum(queue.inflight for queue in self.queues.values())
+
     def _active_floor(self, exclude: Queue) -> float | None:
         counters = [q.counter for q in self.queues.values() if q is not exclude and (q.waiting or q.inflight)]
         return min(counters) if counters else None
 
-    async def enter(self, run: str, weight: float, estimate: int) -> float:
-        """Wait for this request's turn; returns the seconds it waited. Charge `estimate` tokens at dispatch."""
+    async def enter(self, run: str, weight: float, estimate: int, candidates: Callable[[], Sequence[str]],
+                    choose: Callable[[list[str]], str]) -> tuple[Ticket, float]:
+        """Wait for this request's turn and its replica (`ticket.replica`); returns its ticket and the seconds it
+        waited. Charges `estimate` tokens at dispatch."""
         queue = self.queue(run, weight)
         if not queue.waiting and not queue.inflight:
             floor = self._active_floor(queue)
             if floor is not None and floor > queue.counter:
                 queue.counter = floor  # no credit for the time it was idle
+        ticket = Ticket(run, estimate, candidates, choose)
         started = time.monotonic()
-        if self.inflight >= self.window() or any(q.waiting for q in self.queues.values()):
+        if any(q.waiting for q in self.queues.values()) or not self._place(queue, ticket):
             future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            turn = (future, estimate)
-            queue.waiting.append(turn)
+            ticket.future = future
+            queue.waiting.append(ticket)
             self._dispatch()
             try:
                 await future
             except asyncio.CancelledError:
-                if future.done() and not future.cancelled():
-                    self._release(queue, estimate)  # admitted just as the client left: give the slot back
-                elif turn in queue.waiting:
-                    queue.waiting.remove(turn)
+                if ticket.admitted:
+                    self._leave(queue, ticket, 0)  # admitted just as the client left: the slot and charge go back
+                elif ticket in queue.waiting:
+                    queue.waiting.remove(ticket)
                 raise
-        else:
-            self._admit(queue, estimate)
-        return time.monotonic() - started
+        return ticket, time.monotonic() - started
 
-    def leave(self, run: str, estimate: int, used: int | None) -> None:
+    def leave(self, ticket: Ticket, used: int | None) -> None:
         """The request is done: correct its charge to the tokens it used (None = unknown), free its slot."""
-        queue = self.queues[run]
-        if used is not None:
-            queue.counter += (used - estimate) / queue.weight
-        queue.inflight -= 1
-        self.inflight -= 1
+        self._leave(self.queues[ticket.run], ticket, ticket.estimate if used is None else used)
+
+    def move(self, ticket: Ticket, replica: str) -> None:
+        """A retry took the request to another replica: its slot goes with it (even past that replica's window: a
+        retried request does not queue again)."""
+        if ticket.replica == replica:
+            return
+        self._free(ticket)
+        ticket.replica = replica
+        self.placed[replica] = self.placed.get(replica, 0) + 1
         self._dispatch()
 
-    def _admit(self, queue: Queue, estimate: int) -> None:
-        """Charged at admission, so the next choice (even in the same dispatch round) sees this one."""
+    def _place(self, queue: Queue, ticket: Ticket) -> bool:
+        """Admit `ticket` onto one of its candidates with room (or, having no candidate, onto none); charged at
+        admission, so the next choice (even in the same dispatch round) sees it."""
+        candidates = ticket.candidates()
+        if candidates:
+            window = self.window()
+            room = [replica for replica in candidates if self.placed.get(replica, 0) < window]
+            if not room:
+                return False
+            ticket.replica = ticket.choose(room)
+            self.placed[ticket.replica] = self.placed.get(ticket.replica, 0) + 1
+        ticket.admitted = True
         queue.inflight += 1
-        self.inflight += 1
-        queue.counter += estimate / queue.weight
+        queue.counter += ticket.estimate / queue.weight
+        return True
 
-    def _release(self, queue: Queue, estimate: int) -> None:
-        queue.counter -= estimate / queue.weight
+    def _free(self, ticket: Ticket) -> None:
+        if ticket.replica is None:
+            return
+        left = self.placed.get(ticket.replica, 0) - 1
+        if left > 0:
+            self.placed[ticket.replica] = left
+        else:
+            self.placed.pop(ticket.replica, None)  # a replica that left the fleet leaves no entry behind
+        ticket.replica = None
+
+    def _leave(self, queue: Queue, ticket: Ticket, charge: int) -> None:
+        queue.counter += (charge - ticket.estimate) / queue.weight
         queue.inflight -= 1
-        self.inflight -= 1
+        ticket.admitted = False
+        self._free(ticket)
         self._dispatch()
 
     def _dispatch(self) -> None:
-        while self.inflight < self.window():
-            backlogged = [q for q in self.queues.values() if q.waiting]
-            if not backlogged:
+        """Admit waiting requests while some replica they can use has room: the lowest counter first, a run whose
+        next request fits nowhere skipped (work-conserving)."""
+        while True:
+            for queue in sorted((q for q in self.queues.values() if q.waiting), key=lambda q: q.counter):
+                ticket = queue.waiting[0]
+                assert ticket.future is not None
+                if ticket.future.done():  # its client left while it waited
+                    queue.waiting.popleft()
+                    break
+                if self._place(queue, ticket):
+                    queue.waiting.popleft()
+                    ticket.future.set_result(None)
+                    break
+            else:
                 return
-            queue = min(backlogged, key=lambda q: q.counter)
-            future, estimate = queue.waiting.popleft()
-            if future.done():  # its client left while it waited
-                continue
-            self._admit(queue, estimate)
-            future.set_result(None)
 
     def waiting(self, run: str) -> int:
         queue = self.queues.get(run)

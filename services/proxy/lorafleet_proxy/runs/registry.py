@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ from starlette.types import Scope
 from ..auth import on_public_port
 from ..errors import ledger_failed
 from .budget import SlotBudget
-from .fairshare import FairShare, estimate_tokens, prompt_tokens
+from .fairshare import FairShare, Ticket, estimate_tokens, prompt_tokens
 from .names import RUN_SCOPE_KEY, NameMap, own_name, run_of_scope, split_run_path
 
 if TYPE_CHECKING:
@@ -54,6 +54,24 @@ class LiveRun:
         self.running.set()
 
 
+@dataclass(eq=False)
+class Turn:
+    """A generation request's fair-share turn, as the front holds it: the replica it was admitted onto (None: no
+    ready replica can serve it), the answer's body the front appends (token counts), and a retry's move."""
+
+    fair: FairShare
+    ticket: Ticket
+    answers: list[bytes] = field(default_factory=list)
+
+    @property
+    def replica(self) -> str | None:
+        return self.ticket.replica
+
+    def moved(self, replica: str) -> None:
+        """The request is retried on `replica`: its slot goes there."""
+        self.fair.move(self.ticket, replica)
+
+
 class Runs:
     """The runs sharing the fleet: registrations (in the ledger), live state, budget, pauses and leases."""
 
@@ -65,7 +83,9 @@ class Runs:
         self.metrics = metrics
         self.live: dict[str, LiveRun] = {}
         self.slots = SlotBudget(settings, self._capacities, metrics)
-        self.fair = FairShare(lambda: settings.proxy_fair_inflight_per_replica * max(len(fleet.ready()), 1))
+        # Per replica: its batch, plus a pipeline waiting in its engine (README "Several runs on one fleet").
+        self.fair = FairShare(
+            lambda: settings.proxy_fair_inflight_per_replica + settings.proxy_fair_pipeline_per_replica)
         self.foreign: frozenset[str] = frozenset()  # fleet-unique names of named runs' adapters
         self.shared = False  # a named run is registered or holds adapters: pauses, fair share and tokens per run
         self._weights: dict[str, float] = {}
@@ -160,9 +180,12 @@ class Runs:
 
     # --- a generation request's turn ---------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def turn(self, run: str, body: dict[str, Any]) -> AsyncIterator[list[bytes]]:
-        """While several runs share the fleet: wait while the run is paused, take a fair-share turn, and count
-        the tokens of the answer the caller appends to the list it is given."""
+    async def turn(self, run: str, body: dict[str, Any], candidates: Callable[[], Sequence[str]],
+                   choose: Callable[[list[str]], str]) -> AsyncIterator[Turn]:
+        """While several runs share the fleet: wait while the run is paused, then for a fair-share turn on a replica
+        with room (`candidates`: the ready replicas that can serve the request, asked when one may have room;
+        `choose`: the router's pick among those with room), and count the tokens of the answer the caller appends
+        to the turn's `answers`."""
         live = self.get(run)
         if not live.running.is_set():
             await live.running.wait()  # the run's pause holds its requests here, never on the replicas
@@ -170,15 +193,15 @@ class Runs:
         estimate = estimate_tokens(body, prompt)
         live.inflight += 1
         live.requests += 1
-        answers: list[bytes] = []
         try:
-            waited = await self.fair.enter(run, self.weight(run), estimate)
+            ticket, waited = await self.fair.enter(run, self.weight(run), estimate, candidates, choose)
             self.metrics.run_queue_wait.labels(run).observe(waited)
+            turn = Turn(self.fair, ticket)
             try:
-                yield answers
+                yield turn
             finally:
-                generated = self.count_tokens(live, answers[0] if answers else b"")
-                self.fair.leave(run, estimate, None if generated is None else prompt + generated)
+                generated = self.count_tokens(live, turn.answers[0] if turn.answers else b"")
+                self.fair.leave(ticket, None if generated is None else prompt + generated)
         finally:
             live.inflight -= 1
 

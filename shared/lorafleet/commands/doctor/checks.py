@@ -69,6 +69,13 @@ def check_fleet(snapshot: Snapshot) -> CheckResult:
                            "failed; it gets no traffic): " + "; ".join(f"{r.url}: {r.proxy_error}" for r in mute),
                            "read that replica's log for the engine's error (on CPU: a C++ compiler and Python's "
                            "headers must be in the image); the proxy admits it once a warm-up succeeds")
+    departed = [r for r in listed if r.proxy_canary_failure]
+    if departed:
+        return CheckResult(name, Status.FAIL, "decodes with other weights than its peers (the proxy's agreement "
+                           "canary took it out of routing): " + "; ".join(f"{r.url}: {r.proxy_canary_failure}"
+                                                                          for r in departed),
+                           "the proxy re-syncs it (adapter reloaded, prefix cache reset) and re-admits it once it "
+                           "agrees; if it keeps departing, restart that replica and report the engine's version")
     problems = [f"{r.url} is {r.proxy_state}" + (f" ({r.proxy_error})" if r.proxy_error else "")
                 for r in listed if r.proxy_state != "ready"]
     unknown = [r for r in snapshot.replicas if r.proxy_state is None]

@@ -71,6 +71,7 @@ async def _read_proxy(snapshot: Snapshot, views: dict[str, ReplicaView], http: h
                 url = str(item["url"]).rstrip("/")
                 views[url] = ReplicaView(url, item.get("state"), item.get("last_error"),
                                          proxy_generates=item.get("generates"), inflight=int(item.get("inflight", 0)),
+                                         proxy_canary_failure=(item.get("canary") or {}).get("failure"),
                                          proxy_server_info=item.get("server_info"), proxy_adapters=item.get("adapters"))
             snapshot.ledger = [(str(e["name"]), str(e["path"])) for e in fleet.get("ledger", [])]
             snapshot.ledger_source = f"{snapshot.fleet_url}/fleet"

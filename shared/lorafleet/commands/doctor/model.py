@@ -39,6 +39,7 @@ class ReplicaView:
     proxy_state: str | None = None  # the proxy's word, only used to explain
     proxy_error: str | None = None
     proxy_generates: bool | None = None  # the proxy's warm-up verdict: False = /health 200 but cannot generate
+    proxy_canary_failure: str | None = None  # the proxy's agreement canary: why its answers departed (None: agrees)
     inflight: int = 0  # requests the proxy has in flight to it (0 when not listed)
     info: ServerInfo | None = None
     adapters: dict[str, str] | None = None  # name -> path from its own /v1/models
