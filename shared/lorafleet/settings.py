@@ -124,11 +124,18 @@ class Settings(BaseSettings):
         "127.0.0.1", description="Address the fleet port binds to: only an address the trainer's network reaches."
     )
     proxy_public_host: str = Field("127.0.0.1", description="Address the public port binds to.")
-    proxy_port: int = Field(8000, ge=1, le=65535, description="Fleet port: internal network, no credentials (trainer).")
+    proxy_port: int = Field(
+        8000, ge=1, le=65535, description="Fleet port: internal network; no credentials but a named run's key "
+        "(RUN_KEYS_DIR).",
+    )
     proxy_public_port: int = Field(
         8080, ge=1, le=65535, description="Public port; needs PROXY_API_KEY, every request a Bearer key."
     )
     proxy_api_key: str = Field("", description="Bearer key of the public port. Empty = no public port. SECRET.")
+    run_keys_dir: str = Field(
+        "", description="Run keys: a directory of key hashes, one file per run (`lorafleet run-key NAME` writes "
+        "them); set = a named run's routes on the fleet port need that run's Bearer key. Empty = off.",
+    )
     proxy_routing: Literal["affinity", "least_loaded", "round_robin"] = Field(
         "affinity", description="Rollout routing: KV-prefix affinity, or the least_loaded / round_robin baselines."
     )
@@ -219,6 +226,10 @@ class Settings(BaseSettings):
     trainer_vllm_url: str = Field(
         "http://proxy:8000", description="The proxy's fleet port as the trainer reaches it; "
         "http://proxy:8000/runs/<run> trains as run <run> on a shared fleet.",
+    )
+    trainer_run_key_file: str = Field(
+        "", description="File holding this trainer's run key (`lorafleet run-key`), sent as Bearer on every call to "
+        "the fleet. Empty = none (the default run, or a fleet without run keys).",
     )
     run_weight: float = Field(1.0, gt=0, description="Fair-share weight of this trainer's run on a shared fleet.")
     learning_rate: float = Field(4e-5, gt=0, description="Optimizer learning rate.")

@@ -111,6 +111,44 @@ def test_keys_are_only_where_they_are_needed(project: dict) -> None:
     assert proxy["PROXY_UPSTREAM_TOKEN"] == replica["PROXY_UPSTREAM_TOKEN"] == REQUIRED_SECRET_VALUE
 
 
+RUN_KEYS_MOUNT = "/run/lorafleet/run-keys"
+
+
+def run_key_mounts(project: dict[str, Any]) -> list[str]:
+    """The run keys (README "Run keys"): the directory of hashes in the proxy alone, read-only, where RUN_KEYS_DIR
+    points; the keys themselves in no service of the stack (`make train RUN=b` mounts b's into its trainer alone)."""
+    problems = []
+    for name, svc in project["services"].items():
+        for volume in svc.get("volumes") or []:
+            source = str(volume.get("source", ""))
+            if "run-keys" not in source:
+                continue
+            if name != "proxy" or not source.endswith("run-keys/hashes"):
+                problems.append(f"{name} mounts {source}")
+            elif not volume.get("read_only") or volume.get("target") != RUN_KEYS_MOUNT:
+                problems.append(f"proxy mounts {source} at {volume.get('target')} read_only={volume.get('read_only')}")
+    if project["services"]["proxy"]["environment"].get("RUN_KEYS_DIR") != RUN_KEYS_MOUNT:
+        problems.append("the proxy's RUN_KEYS_DIR is not the mounted run keys")
+    return problems
+
+
+def test_run_keys_are_on_in_the_stack_and_only_the_proxy_sees_their_hashes(project: dict) -> None:
+    assert run_key_mounts(project) == []
+    broken = copy.deepcopy(project)
+    broken["services"]["vllm"].setdefault("volumes", []).append(
+        {"type": "bind", "source": str(REPO / "run-keys" / "keys"), "target": "/keys"})
+    assert run_key_mounts(broken) == [f"vllm mounts {REPO / 'run-keys' / 'keys'}"]
+
+
+def test_make_train_hands_a_run_its_own_key_file_and_nothing_else() -> None:
+    dry = subprocess.run(["make", "-n", "train", "RUN=b", "CPU=1"], cwd=REPO, capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    assert "-m lorafleet.run_keys b --dir run-keys/hashes --key-file run-keys/keys/b.key" in dry
+    assert f"-v {REPO}/run-keys/keys/b.key:/run/secrets/lorafleet-run-key:ro" in dry
+    assert "-e TRAINER_RUN_KEY_FILE=/run/secrets/lorafleet-run-key" in dry
+    assert dry.count("run-keys/") == 4, dry  # the test, the key's making (hashes, key), the one mount
+
+
 # --- the checks fail where they should ---------------------------------------------------------------------------
 
 

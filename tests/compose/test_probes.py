@@ -28,11 +28,14 @@ class HealthServer:
 
     def __init__(self) -> None:
         self.status = 200
+        self.key = ""  # set: /health answers 401 unless asked with this Bearer key (a named run's fleet routes)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                code = server.status if self.path == "/health" else 404
+                code = server.status if self.path.rstrip("/").endswith("/health") else 404
+                if server.key and self.headers.get("Authorization") != f"Bearer {server.key}":
+                    code = 401
                 self.send_response(code)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -85,6 +88,19 @@ def test_compose_healthcheck_follows_health(project: dict, health: HealthServer,
     health.status = 503
     assert run_probe(test, probe_env(service, health.port)) != 0
     assert run_probe(test, probe_env(service, free_port())) != 0
+
+
+@pytest.mark.parametrize("service", ["trainer", "trainer-cpu"])
+def test_a_named_runs_trainer_is_healthy_with_its_run_key(project: dict, health: HealthServer, service: str,
+                                                          tmp_path: Path) -> None:
+    test = project["services"][service]["healthcheck"]["test"]
+    health.key = "lfr_the-run-key"
+    env = {"TRAINER_VLLM_URL": f"http://127.0.0.1:{health.port}/runs/b"}
+    assert run_probe(test, env) != 0  # without its key the run's routes answer 401
+    key_file = tmp_path / "key"
+    key_file.write_text(health.key + "\n")
+    assert run_probe(test, {**env, "TRAINER_RUN_KEY_FILE": str(key_file)}) == 0
+    assert health.key not in json.dumps(test)  # read from the file, never in the command
 
 
 @pytest.mark.parametrize(

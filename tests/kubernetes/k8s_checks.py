@@ -12,13 +12,32 @@ from unittest import mock
 from urllib.parse import urlsplit
 
 import yaml
-from k8s_manifests import REPO, Container, Obj, config_map_data, containers, main_container, selects, workloads
+from k8s_manifests import (
+    REPO,
+    Container,
+    Obj,
+    config_map_data,
+    containers,
+    main_container,
+    run_trainers,
+    selects,
+    workloads,
+)
 from lorafleet.settings import SECRET_FIELDS, Settings, env_name
 from pydantic import ValidationError
 
 COMPONENT = "app.kubernetes.io/component"
 CONFIG = "lorafleet-config"
 KEYS_SECRET = "lorafleet-keys"
+# Run keys (README "Running on Kubernetes", run keys): the proxy reads the runs' key hashes from this Secret,
+# mounted as RUN_KEYS_DIR; each named run's trainer reads its key from the Secret lorafleet-run-<run> (key `key`),
+# as TRAINER_RUN_KEY_FILE.
+RUN_KEYS_SECRET = "lorafleet-run-keys"
+RUN_SECRET_PREFIX = "lorafleet-run-"
+RUN_SECRET_KEY = "key"
+# Pod fields that make a workload's security: a named run's trainer has the base trainer's, every one.
+POD_SECURITY_FIELDS = ("securityContext", "automountServiceAccountToken", "enableServiceLinks", "serviceAccountName",
+                       "hostNetwork", "hostPID", "hostIPC", "shareProcessNamespace")
 # uid of the proxy image's user (services/proxy/Dockerfile); every pod runs as it.
 RUN_AS = 10001
 PRIVATE_RANGES = {"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"}
@@ -143,10 +162,11 @@ def gpu_problems(objects: list[Obj], device: str) -> list[str]:
 
 def mount_problems(objects: list[Obj]) -> list[str]:
     """The adapter store is read-only but for its writers and mounted at ADAPTER_ROOT; the fleet claim only in the
-    proxy, at ADAPTER_ROOT/.fleet; replicas and trainer have a memory-backed, size-limited /dev/shm."""
+    proxy, at ADAPTER_ROOT/.fleet; replicas and trainers (every run's) have a memory-backed, size-limited
+    /dev/shm."""
     problems = []
-    for component in ("replica", "proxy", "trainer"):
-        container = main_container(objects, component)
+    for container in [*(main_container(objects, name) for name in ("replica", "proxy", "trainer")),
+                      *run_trainers(objects)]:
         if "adapters" not in container.mounts():
             problems.append(f"{container.where}: does not mount the adapter store")
     for container in containers(objects):
@@ -164,8 +184,7 @@ def mount_problems(objects: list[Obj]) -> list[str]:
                 empty = container.volume(name).get("emptyDir", {})
                 if empty.get("medium") != "Memory" or not empty.get("sizeLimit"):
                     problems.append(f"{container.where}: /dev/shm is not a size-limited memory emptyDir")
-    for component in ("replica", "trainer"):
-        container = main_container(objects, component)
+    for container in [main_container(objects, "replica"), main_container(objects, "trainer"), *run_trainers(objects)]:
         if not any(mount["mountPath"] == "/dev/shm" for mount in container.mounts().values()):
             problems.append(f"{container.where}: no /dev/shm volume (PyTorch shared memory)")
     return problems
@@ -246,6 +265,137 @@ def secret_problems(objects: list[Obj]) -> list[str]:
     return problems
 
 
+# --- run keys ------------------------------------------------------------------------------------------------------
+def secret_mounts(container: Container) -> list[tuple[str, Obj, Obj]]:
+    """(Secret name, its volume source, the mount) for every Secret the container mounts, projected ones included."""
+    found = []
+    for name, mount in container.mounts().items():
+        volume = container.volume(name)
+        sources = [volume["secret"]] if "secret" in volume else []
+        sources += [source["secret"] for source in volume.get("projected", {}).get("sources", []) if "secret" in source]
+        found += [(str(source.get("secretName", source.get("name"))), source, mount) for source in sources]
+    return found
+
+
+def secret_env(container: Container) -> list[str]:
+    """The Secrets the container's environment takes values from (env secretKeyRef, envFrom secretRef)."""
+    names = [entry["valueFrom"]["secretKeyRef"]["name"] for entry in container.spec.get("env", [])
+             if "secretKeyRef" in entry.get("valueFrom", {})]
+    sources = container.spec.get("envFrom", [])
+    return names + [source["secretRef"]["name"] for source in sources if "secretRef" in source]
+
+
+def run_of_secret(name: str) -> str | None:
+    """The run whose key the Secret holds (lorafleet-run-<run>); None for any other Secret (the hashes included)."""
+    return name[len(RUN_SECRET_PREFIX):] if name.startswith(RUN_SECRET_PREFIX) and name != RUN_KEYS_SECRET else None
+
+
+def readable(mode: int, pod: Obj) -> bool:
+    """Can the images' user read a Secret volume's file of this mode? The files are root's, their group the pod's
+    fsGroup (which the user's processes also hold), without counting on the kubelet adding group read."""
+    return bool(mode & 0o004) or (bool(mode & 0o040) and pod.get("securityContext", {}).get("fsGroup") is not None)
+
+
+def _mode(source: Obj, key: str) -> int:
+    item = next((item for item in source.get("items", []) if item["key"] == key), {})
+    return int(item.get("mode", source.get("defaultMode", 0o644)))
+
+
+def key_file(source: Obj, mount: Obj, key: str) -> str | None:
+    """Where the Secret's `key` lies in the container through this mount (None: not through it)."""
+    items = source.get("items")
+    path = next((item["path"] for item in items if item["key"] == key), None) if items else key
+    if path is None:
+        return None
+    if mount.get("subPath"):
+        return mount["mountPath"] if mount["subPath"] == path else None
+    return f"{mount['mountPath'].rstrip('/')}/{path}"
+
+
+def run_key_problems(objects: list[Obj]) -> list[str]:
+    """The proxy mounts the Secret of the runs' key hashes, optional (the stack starts before any named run),
+    read-only, readable, whole (updates arrive) and at RUN_KEYS_DIR. Each named run's trainer mounts its own run's
+    Secret, and nothing mounts one it does not need; no run key comes through env; a named run's trainer has the
+    base trainer's security settings, its run's name and URL, and TRAINER_RUN_KEY_FILE naming its key's file."""
+    problems = []
+    proxy = main_container(objects, "proxy")
+    hashes = [(source, mount) for name, source, mount in secret_mounts(proxy) if name == RUN_KEYS_SECRET]
+    keys_dir = environment(objects, proxy).get("RUN_KEYS_DIR", "")
+    if len(hashes) != 1:
+        problems.append(f"{proxy.where}: mounts the Secret {RUN_KEYS_SECRET} {len(hashes)} times, want once at "
+                        f"RUN_KEYS_DIR={keys_dir!r}")
+    for source, mount in hashes:
+        if mount["mountPath"] != keys_dir:
+            problems.append(f"{proxy.where}: RUN_KEYS_DIR={keys_dir!r} is not where {RUN_KEYS_SECRET} is mounted "
+                            f"({mount['mountPath']})")
+        if source.get("optional") is not True:
+            problems.append(f"{proxy.where}: the Secret {RUN_KEYS_SECRET} is not optional (the stack must start "
+                            "before any named run has a key)")
+        if not mount.get("readOnly"):
+            problems.append(f"{proxy.where}: mounts {RUN_KEYS_SECRET} writable")
+        if mount.get("subPath") or source.get("items"):
+            problems.append(f"{proxy.where}: mounts part of {RUN_KEYS_SECRET} (subPath or items): a run added to "
+                            "the Secret would never reach the proxy")
+        mode = int(source.get("defaultMode", 0o644))
+        if not readable(mode, proxy.pod):
+            problems.append(f"{proxy.where}: cannot read {RUN_KEYS_SECRET}'s files as uid {RUN_AS} "
+                            f"(defaultMode {mode:#o})")
+    for container in containers(objects):
+        for name in secret_env(container):
+            if name == RUN_KEYS_SECRET or run_of_secret(name) is not None:
+                problems.append(f"{container.where}: takes Secret {name} through env (it shows in kubectl "
+                                "describe): a run key is a file")
+        for name, _, _ in secret_mounts(container):
+            is_proxy = (container.component, container.init, container.run) == ("proxy", False, None)
+            if name == RUN_KEYS_SECRET and not is_proxy:
+                problems.append(f"{container.where}: mounts Secret {name}, which only the proxy reads")
+            run = run_of_secret(name)
+            is_its_trainer = (container.component, container.init, container.run) == ("trainer", False, run)
+            if run is not None and not is_its_trainer:
+                problems.append(f"{container.where}: mounts Secret {name}, run {run}'s key, which only the trainer "
+                                f"container of run {run} reads")
+    base = main_container(objects, "trainer")
+    for trainer in run_trainers(objects):
+        problems += _run_trainer_problems(objects, trainer, base)
+    return problems
+
+
+def _run_trainer_problems(objects: list[Obj], trainer: Container, base: Container) -> list[str]:
+    problems = []
+    run, env = trainer.run, environment(objects, trainer)
+    if trainer.component != "trainer":
+        problems.append(f"{trainer.where}: run {run}'s workload is labelled {COMPONENT}={trainer.component}, not "
+                        "trainer (the NetworkPolicies and the trainer's checks select on it)")
+    if env.get("RUN_NAME") != run:
+        problems.append(f"{trainer.where}: RUN_NAME={env.get('RUN_NAME')!r}, its run is {run!r}")
+    url = urlsplit(env.get("TRAINER_VLLM_URL", ""))
+    if url.path.rstrip("/") != f"/runs/{run}":
+        problems.append(f"{trainer.where}: TRAINER_VLLM_URL {url.geturl()} is not run {run}'s (/runs/{run})")
+    own = [(source, mount) for name, source, mount in secret_mounts(trainer) if name == f"{RUN_SECRET_PREFIX}{run}"]
+    files = [path for source, mount in own if (path := key_file(source, mount, RUN_SECRET_KEY))]
+    if env.get("TRAINER_RUN_KEY_FILE") not in files:
+        problems.append(f"{trainer.where}: TRAINER_RUN_KEY_FILE={env.get('TRAINER_RUN_KEY_FILE')!r} is not the "
+                        f"file of key {RUN_SECRET_KEY!r} of its run's Secret {RUN_SECRET_PREFIX}{run} "
+                        f"(mounted there: {files})")
+    for source, mount in own:
+        if not mount.get("readOnly"):
+            problems.append(f"{trainer.where}: mounts its run key writable")
+        if source.get("optional"):
+            problems.append(f"{trainer.where}: its run key's Secret is optional (the trainer would start without it)")
+        if not readable(_mode(source, RUN_SECRET_KEY), trainer.pod):
+            problems.append(f"{trainer.where}: cannot read its run key as uid {RUN_AS} "
+                            f"(mode {_mode(source, RUN_SECRET_KEY):#o})")
+    for field in POD_SECURITY_FIELDS:
+        if trainer.pod.get(field) != base.pod.get(field):
+            problems.append(f"{trainer.where}: pod {field} {trainer.pod.get(field)!r}, the base trainer's is "
+                            f"{base.pod.get(field)!r}")
+    ours = {c.name: c.spec.get("securityContext") for c in containers([trainer.workload])}
+    theirs = {c.name: c.spec.get("securityContext") for c in containers([base.workload])}
+    if ours != theirs:
+        problems.append(f"{trainer.where}: containers' securityContext {ours}, the base trainer's {theirs}")
+    return problems
+
+
 # --- probes, grace periods, services, discovery --------------------------------------------------------------------
 def probe_port(probe: Obj) -> int | str | None:
     for handler in ("httpGet", "tcpSocket", "grpc"):
@@ -277,13 +427,17 @@ def probe_problems(objects: list[Obj]) -> list[str]:
 
 
 def grace_problems(objects: list[Obj]) -> list[str]:
-    """Trainer and replicas get Compose's stop_grace_period (the trainer's 90 s: finish a step, checkpoint)."""
+    """Trainers (every run's) and replicas get Compose's stop_grace_period (the trainer's 90 s: finish a step,
+    checkpoint)."""
     problems = []
     for service, component in (("trainer", "trainer"), ("vllm", "replica")):
         want = seconds(compose()["services"][service]["stop_grace_period"])
-        got = main_container(objects, component).pod.get("terminationGracePeriodSeconds")
-        if got != want:
-            problems.append(f"{component}: terminationGracePeriodSeconds {got}, Compose's stop_grace_period {want}s")
+        holders = [main_container(objects, component), *(run_trainers(objects) if component == "trainer" else [])]
+        for container in holders:
+            got = container.pod.get("terminationGracePeriodSeconds")
+            if got != want:
+                problems.append(f"{component} ({container.where}): terminationGracePeriodSeconds {got}, Compose's "
+                                f"stop_grace_period {want}s")
     return problems
 
 
@@ -309,11 +463,14 @@ def discovery_problems(objects: list[Obj]) -> list[str]:
     elif not (str(headless[0]["spec"]["ports"][0]["port"]) == port == replica_env.get("REPLICA_PORT")
               == str(_service_target(objects, headless[0], "replica"))):
         problems.append(f"{host}:{port} does not lead to the replicas' REPLICA_PORT {replica_env.get('REPLICA_PORT')}")
-    url = urlsplit(environment(objects, trainer).get("TRAINER_VLLM_URL", ""))
-    fleet = [obj for obj in objects if obj["kind"] == "Service" and obj["metadata"]["name"] == url.hostname]
-    if not fleet or not (fleet[0]["spec"]["ports"][0]["port"] == url.port
-                         and str(_service_target(objects, fleet[0], "proxy")) == proxy_env.get("PROXY_PORT")):
-        problems.append(f"TRAINER_VLLM_URL {url.geturl()} does not lead to the proxy's PROXY_PORT")
+    fleet: list[Obj] = []  # the Services the trainers (every run's) reach the proxy through
+    for each in (trainer, *run_trainers(objects)):
+        url = urlsplit(environment(objects, each).get("TRAINER_VLLM_URL", ""))
+        found = [obj for obj in objects if obj["kind"] == "Service" and obj["metadata"]["name"] == url.hostname]
+        if not found or not (found[0]["spec"]["ports"][0]["port"] == url.port
+                             and str(_service_target(objects, found[0], "proxy")) == proxy_env.get("PROXY_PORT")):
+            problems.append(f"{each.where}: TRAINER_VLLM_URL {url.geturl()} does not lead to the proxy's PROXY_PORT")
+        fleet += found
     public = [obj for obj in objects if obj["kind"] == "Service"
               and str(_service_target(objects, obj, "proxy")) == proxy_env.get("PROXY_PUBLIC_PORT")]
     if not public or public[0] in fleet:
@@ -361,14 +518,20 @@ def _rule_ports(rule: Obj) -> list[tuple[int | str, str]]:
     return [(port.get("port", "*"), port.get("protocol", "TCP")) for port in rule.get("ports", [])] or [("*", "*")]
 
 
-def ingress_doors(objects: list[Obj]) -> dict[str, set[str]]:
-    """`component:port/protocol` of every container port -> the peers NetworkPolicies let in (`*` = anyone)."""
-    doors: dict[str, set[str]] = {}
+def _workload_name(workload: Obj) -> str:
+    return f"{workload['kind']}/{workload['metadata']['name']}"
+
+
+def ingress_doors(objects: list[Obj]) -> dict[tuple[str, str], set[str]]:
+    """(workload, `component:port/protocol`) of every container port -> the peers NetworkPolicies let in (`*` =
+    anyone). Per workload, so that each pod of a component (every run's trainer) is held to the component's doors."""
+    doors: dict[tuple[str, str], set[str]] = {}
     for container in containers(objects, init=False):
         labels = container.workload["spec"]["template"]["metadata"]["labels"]
         for port in container.spec.get("ports", []):
             number, protocol = port["containerPort"], port.get("protocol", "TCP")
-            peers = doors.setdefault(f"{container.component}:{number}/{protocol}", set())
+            door = f"{container.component}:{number}/{protocol}"
+            peers = doors.setdefault((_workload_name(container.workload), door), set())
             for policy in _policies(objects, labels, "Ingress"):
                 for rule in policy["spec"].get("ingress", []):
                     if any(p in ("*", number, port.get("name")) and proto in ("*", protocol)
@@ -378,12 +541,13 @@ def ingress_doors(objects: list[Obj]) -> dict[str, set[str]]:
     return doors
 
 
-def egress_doors(objects: list[Obj]) -> dict[str, set[str]]:
-    """component -> `peer:port/protocol` NetworkPolicies let its pods connect to (`*` = anyone, any port)."""
-    doors: dict[str, set[str]] = {}
+def egress_doors(objects: list[Obj]) -> dict[tuple[str, str], set[str]]:
+    """(workload, its component) -> `peer:port/protocol` NetworkPolicies let its pods connect to (`*` = anyone, any
+    port)."""
+    doors: dict[tuple[str, str], set[str]] = {}
     for workload in workloads(objects):
         labels = workload["spec"]["template"]["metadata"]["labels"]
-        allowed = doors.setdefault(labels[COMPONENT], set())
+        allowed = doors.setdefault((_workload_name(workload), labels[COMPONENT]), set())
         for policy in _policies(objects, labels, "Egress"):
             for rule in policy["spec"].get("egress", []):
                 peers = [peer_name(peer) for peer in rule.get("to", [])] or ["*"]
@@ -399,16 +563,18 @@ def network_problems(objects: list[Obj], ingress: dict[str, set[str]], egress: d
               for direction in obj["spec"].get("policyTypes", [])
               if not obj["spec"].get(direction.lower())}
     problems += [f"no default-deny NetworkPolicy for {d}" for d in ("Ingress", "Egress") if d not in denies]
-    for door, peers in sorted(ingress_doors(objects).items()):
+    doors = ingress_doors(objects)
+    for (workload, door), peers in sorted(doors.items()):
         if door not in ingress:
-            problems.append(f"port {door} has no decided door (allowed in: {sorted(peers)})")
+            problems.append(f"port {door} has no decided door (allowed in: {sorted(peers)}; {workload})")
         elif peers != ingress[door]:
-            problems.append(f"port {door} lets in {sorted(peers)}, want {sorted(ingress[door])}")
+            problems.append(f"port {door} lets in {sorted(peers)}, want {sorted(ingress[door])} ({workload})")
     problems += [f"port {door} is expected but nothing listens there" for door in ingress.keys()
-                 - ingress_doors(objects).keys()]
-    for component, ways in sorted(egress_doors(objects).items()):
+                 - {door for _, door in doors}]
+    for (workload, component), ways in sorted(egress_doors(objects).items()):
         if ways != egress.get(component):
-            problems.append(f"{component} may connect to {sorted(ways)}, want {sorted(egress.get(component, set()))}")
+            problems.append(f"{component} may connect to {sorted(ways)}, want {sorted(egress.get(component, set()))} "
+                            f"({workload})")
     return problems
 
 
@@ -417,5 +583,5 @@ def all_problems(objects: list[Obj], device: str, ingress: dict[str, set[str]], 
     return [*settings_problems(objects, env_example), *gpu_problems(objects, device), *mount_problems(objects),
             *resource_problems(objects), *security_problems(objects), *image_problems(objects, release_tag()),
             *secret_problems(objects), *probe_problems(objects), *grace_problems(objects),
-            *discovery_problems(objects), *network_problems(objects, ingress, egress)]
+            *discovery_problems(objects), *run_key_problems(objects), *network_problems(objects, ingress, egress)]
 

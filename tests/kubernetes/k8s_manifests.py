@@ -6,6 +6,7 @@ rendered overlay and on a deliberately broken copy of it alike.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -20,6 +21,12 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "kubernetes"
 OVERLAYS = ("gpu", "cpu", "example")
+# A named run's component (Job trainer-<run>, README "Run keys"), rendered on top of each overlay as an operator
+# includes it: `<overlay>+run-b`.
+RUN_COMPONENT = "run-b"
+WITH_RUN = {f"{overlay}+{RUN_COMPONENT}": overlay for overlay in OVERLAYS}
+# The label of a named run's workloads (its value: the run); the default run's have none.
+RUN_LABEL = "lorafleet.dev/run"
 # The oldest and newest Kubernetes minor the manifests are validated against (kubernetes-validate --strict).
 # 1.31: the PodDisruptionBudget's unhealthyPodEvictionPolicy is GA there; every other field is older.
 KUBERNETES_VERSIONS = ("1.31.0", "1.37.0")
@@ -43,6 +50,21 @@ def render(overlay: str | Path) -> list[Obj]:
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
+def with_components(directory: Path, overlay: str, components: tuple[str, ...]) -> Path:
+    """A kustomization in `directory` that includes deploy/kubernetes/components/<each> on top of `overlay`, as
+    an operator's overlay does (kustomize wants relative paths)."""
+    def relative(path: Path) -> str:
+        return os.path.relpath(path, directory)
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [relative(DEPLOY / "overlays" / overlay)],
+        "components": [relative(DEPLOY / "components" / name) for name in components],
+    }))
+    return directory
+
+
 @dataclass(frozen=True)
 class Container:
     """One container of a workload's pod template, with what the checks need around it."""
@@ -62,6 +84,11 @@ class Container:
     @property
     def component(self) -> str:
         return str(self.workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"])
+
+    @property
+    def run(self) -> str | None:
+        """The named run this workload belongs to (its RUN_LABEL); None for the default run's and the fleet's."""
+        return self.workload["spec"]["template"]["metadata"]["labels"].get(RUN_LABEL)
 
     @property
     def where(self) -> str:
@@ -109,10 +136,16 @@ def containers(objects: list[Obj], *, init: bool = True) -> Iterator[Container]:
 
 
 def main_container(objects: list[Obj], component: str) -> Container:
-    """The (single) non-init container of the workload of `component` (replica, proxy, trainer, model-fetch)."""
-    found = [c for c in containers(objects, init=False) if c.component == component]
+    """The (single) non-init container of the workload of `component` (replica, proxy, trainer, model-fetch) outside
+    any named run: the trainer is the default run's, Job trainer."""
+    found = [c for c in containers(objects, init=False) if c.component == component and c.run is None]
     assert len(found) == 1, f"expected one {component} container, found {[c.where for c in found]}"
     return found[0]
+
+
+def run_trainers(objects: list[Obj]) -> list[Container]:
+    """The main container of every named run's workload (Job trainer-<run>)."""
+    return [c for c in containers(objects, init=False) if c.run is not None]
 
 
 def config_map_data(objects: list[Obj], name: str) -> dict[str, str]:

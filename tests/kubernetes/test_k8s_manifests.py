@@ -12,9 +12,22 @@ from typing import Any
 import k8s_checks as checks
 import pytest
 import yaml
-from k8s_manifests import KUBERNETES_VERSIONS, OVERLAYS, Obj, find, main_container, tool
+from k8s_manifests import (
+    KUBERNETES_VERSIONS,
+    OVERLAYS,
+    RUN_LABEL,
+    WITH_RUN,
+    Obj,
+    containers,
+    find,
+    main_container,
+    run_trainers,
+    tool,
+)
 
 DEVICE = {"gpu": "gpu", "cpu": "cpu", "example": "gpu"}
+# Every rendering: the overlays, and each with the named run b's component (`gpu+run-b`, ...).
+RENDERINGS = (*OVERLAYS, *WITH_RUN)
 DNS = {f"ns[kubernetes.io/metadata.name=kube-system]/pod[k8s-app=kube-dns]:53/{proto}" for proto in ("UDP", "TCP")}
 # The doors of SECURITY.md's table: who may connect to each port, and where each pod may connect to.
 INGRESS = {
@@ -41,11 +54,13 @@ def expected_ingress(overlay: str) -> dict[str, set[str]]:
     return {door: peers | extra.get(door, set()) for door, peers in INGRESS.items()}
 
 
-def problems(objects: list[Obj], overlay: str, env_example: dict[str, Any]) -> list[str]:
+def problems(objects: list[Obj], rendering: str, env_example: dict[str, Any]) -> list[str]:
+    """A named run's trainer has the same doors as the default run's (both are component=trainer)."""
+    overlay = WITH_RUN.get(rendering, rendering)
     return checks.all_problems(objects, DEVICE[overlay], expected_ingress(overlay), EGRESS, env_example)
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERINGS)
 def test_overlay_has_every_property(rendered: dict[str, list[Obj]], overlay: str, env_example: dict[str, Any]) -> None:
     assert problems(rendered[overlay], overlay, env_example) == []
 
@@ -95,6 +110,37 @@ def config(objects: list[Obj]) -> dict[str, str]:
 
 def policy(objects: list[Obj], name: str) -> Obj:
     return find(objects, "NetworkPolicy", name)["spec"]
+
+
+def run_b(objects: list[Obj]) -> Obj:
+    """Run b's trainer container (the component's Job trainer-b)."""
+    return next(c for c in run_trainers(objects) if c.run == "b").spec
+
+
+def run_b_pod(objects: list[Obj]) -> Obj:
+    return next(c for c in run_trainers(objects) if c.run == "b").pod
+
+
+def named(items: list[Obj], name: str) -> Obj:
+    return next(item for item in items if item["name"] == name)
+
+
+def run_keys_volume(objects: list[Obj]) -> Obj:
+    return named(pod(objects, "proxy")["volumes"], "run-keys")
+
+
+def run_key_volume(objects: list[Obj]) -> Obj:
+    return named(run_b_pod(objects)["volumes"], "run-key")
+
+
+def mount_secret(workload_pod: Obj, spec: Obj, secret: str) -> None:
+    """Give a container a volume of `secret`, mounted at /run/secrets/extra."""
+    workload_pod["volumes"].append({"name": "extra", "secret": {"secretName": secret}})
+    spec.setdefault("volumeMounts", []).append({"name": "extra", "mountPath": "/run/secrets/extra", "readOnly": True})
+
+
+def secret_env(secret: str) -> Obj:
+    return {"name": "TRAINER_RUN_KEY_FILE", "valueFrom": {"secretKeyRef": {"name": secret, "key": "key"}}}
 
 
 BREAKS: dict[str, tuple[str, Callable[[list[Obj]], object], str]] = {
@@ -164,6 +210,89 @@ BREAKS: dict[str, tuple[str, Callable[[list[Obj]], object], str]] = {
         "proxy:5678/TCP has no decided door"),
     "policy on a port nobody opens": (
         "cpu", lambda o: container(o, "trainer").pop("ports"), "expected but nothing listens"),
+    # run keys: the proxy's hashes
+    "run keys not mounted": (
+        "cpu", lambda o: container(o, "proxy")["volumeMounts"].remove(named(container(o, "proxy")["volumeMounts"],
+                                                                            "run-keys")),
+        "mounts the Secret lorafleet-run-keys 0 times"),
+    "run keys required": (
+        "gpu", lambda o: run_keys_volume(o)["secret"].update(optional=False), "lorafleet-run-keys is not optional"),
+    "run keys writable": (
+        "example", lambda o: named(container(o, "proxy")["volumeMounts"], "run-keys").pop("readOnly"),
+        "mounts lorafleet-run-keys writable"),
+    "RUN_KEYS_DIR elsewhere": (
+        "gpu+run-b", lambda o: env_entry(o, "proxy", "RUN_KEYS_DIR").update(value="/run/run-keys"),
+        "is not where lorafleet-run-keys is mounted"),
+    "run keys unreadable": (
+        "cpu", lambda o: run_keys_volume(o)["secret"].update(defaultMode=0o400), "cannot read lorafleet-run-keys"),
+    "run keys through a subPath": (
+        "gpu", lambda o: named(container(o, "proxy")["volumeMounts"], "run-keys").update(subPath="b"),
+        "would never reach the proxy"),
+    "hashes in a replica": (
+        "cpu", lambda o: mount_secret(pod(o, "replica"), container(o, "replica"), "lorafleet-run-keys"),
+        "which only the proxy reads"),
+    # run keys: each run's own key
+    "run key through env": (
+        "cpu+run-b", lambda o: run_b(o)["env"].append(secret_env("lorafleet-run-b")), "through env"),
+    "run key through envFrom": (
+        "gpu+run-b", lambda o: run_b(o).setdefault("envFrom", []).append({"secretRef": {"name": "lorafleet-run-b"}}),
+        "takes Secret lorafleet-run-b through env"),
+    "run key in a replica": (
+        "gpu+run-b", lambda o: mount_secret(pod(o, "replica"), container(o, "replica"), "lorafleet-run-b"),
+        "Deployment/vllm container vllm: mounts Secret lorafleet-run-b"),
+    "run key in the default run's trainer": (
+        "example+run-b", lambda o: mount_secret(pod(o, "trainer"), container(o, "trainer"), "lorafleet-run-b"),
+        "Job/trainer container trainer: mounts Secret lorafleet-run-b"),
+    "run key in model-fetch": (
+        "cpu+run-b", lambda o: mount_secret(find(o, "Job", "model-fetch")["spec"]["template"]["spec"],
+                                            find(o, "Job", "model-fetch")["spec"]["template"]["spec"]["containers"][0],
+                                            "lorafleet-run-b"), "Job/model-fetch container model-fetch: mounts"),
+    "run key in the init container": (
+        "gpu+run-b", lambda o: run_b_pod(o)["initContainers"][0].setdefault("volumeMounts", []).append(
+            {"name": "run-key", "mountPath": "/run/secrets/lorafleet-run-key", "subPath": "key", "readOnly": True}),
+        "container wait-for-fleet: mounts Secret lorafleet-run-b"),
+    "another run's key": (
+        "cpu+run-b", lambda o: run_key_volume(o)["secret"].update(secretName="lorafleet-run-c"),
+        "mounts Secret lorafleet-run-c, run c's key"),
+    "key file outside the mount": (
+        "gpu+run-b", lambda o: named(run_b(o)["env"], "TRAINER_RUN_KEY_FILE").update(value="/run/secrets/key"),
+        "TRAINER_RUN_KEY_FILE='/run/secrets/key' is not the file"),
+    "no key file": (
+        "example+run-b", lambda o: run_b(o)["env"].remove(named(run_b(o)["env"], "TRAINER_RUN_KEY_FILE")),
+        "TRAINER_RUN_KEY_FILE=None is not the file"),
+    "run key optional": (
+        "cpu+run-b", lambda o: run_key_volume(o)["secret"].update(optional=True), "would start without it"),
+    "run key writable": (
+        "gpu+run-b", lambda o: named(run_b(o)["volumeMounts"], "run-key").pop("readOnly"), "its run key writable"),
+    "run key unreadable": (
+        "cpu+run-b", lambda o: run_key_volume(o)["secret"].update(defaultMode=0o400), "cannot read its run key"),
+    "run trainer as another run": (
+        "gpu+run-b", lambda o: run_b(o)["env"].append({"name": "RUN_NAME", "value": "c"}) or
+        run_b(o)["env"].remove(named(run_b(o)["env"], "RUN_NAME")), "RUN_NAME='c'"),
+    "run trainer on the default run's URL": (
+        "cpu+run-b", lambda o: named(run_b(o)["env"], "TRAINER_VLLM_URL").update(value="http://proxy:8000"),
+        "is not run b's"),
+    "run trainer past the fleet port": (
+        "example+run-b", lambda o: named(run_b(o)["env"], "TRAINER_VLLM_URL").update(
+            value="http://proxy-public:8080/runs/b"), "Job/trainer-b container trainer: TRAINER_VLLM_URL"),
+    # a named run's trainer: the base trainer's security and doors
+    "run trainer with a token": (
+        "gpu+run-b", lambda o: run_b_pod(o).pop("automountServiceAccountToken"), "Job/trainer-b: mounts a service"),
+    "run trainer as root": (
+        "cpu+run-b", lambda o: run_b_pod(o)["securityContext"].update(runAsUser=0), "pod securityContext"),
+    "run trainer on the host network": (
+        "gpu+run-b", lambda o: run_b_pod(o).update(hostNetwork=True), "pod hostNetwork True"),
+    "run trainer's container escalates": (
+        "example+run-b", lambda o: run_b(o)["securityContext"].update(allowPrivilegeEscalation=True),
+        "containers' securityContext"),
+    "run trainer's short grace": (
+        "cpu+run-b", lambda o: run_b_pod(o).update(terminationGracePeriodSeconds=30), "Job/trainer-b"),
+    "run trainer not a trainer": (
+        "gpu+run-b", lambda o: find(o, "Job", "trainer-b")["spec"]["template"]["metadata"]["labels"].update(
+            {"app.kubernetes.io/component": "trainer-b"}), "not trainer"),
+    "run trainer cut off from the fleet": (
+        "cpu+run-b", lambda o: policy(o, "trainer-egress")["podSelector"].update(
+            matchExpressions=[{"key": RUN_LABEL, "operator": "DoesNotExist"}]), "(Job/trainer-b)"),
 }
 
 
@@ -176,3 +305,55 @@ def test_a_broken_overlay_fails_its_check(fresh: Callable[[str], list[Obj]], env
     breaks(objects)
     found = problems(objects, overlay, env_example)
     assert any(says in problem for problem in found), f"{name}: no problem says {says!r}: {found}"
+
+
+# --- a named run's component ---------------------------------------------------------------------------------------
+RUN_ENV = {"RUN_NAME": "b", "TRAINER_VLLM_URL": "http://proxy:8000/runs/b",
+           "TRAINER_RUN_KEY_FILE": "/run/secrets/lorafleet-run-key"}
+
+
+def by_name(items: list[Obj]) -> dict[str, Obj]:
+    return {item["name"]: item for item in items}
+
+
+@pytest.mark.parametrize("rendering", WITH_RUN)
+def test_a_named_runs_trainer_is_the_overlays_trainer_with_its_run_and_key(rendered: dict[str, list[Obj]],
+                                                                           rendering: str) -> None:
+    """components/run-b adds one workload, Job trainer-b: Job trainer as the overlay made it (image, GPUs,
+    resources, tolerations, init container, security), with run b's name, URL and key file, and nothing else."""
+    objects, plain = rendered[rendering], rendered[WITH_RUN[rendering]]
+    added = {(obj["kind"], obj["metadata"]["name"]) for obj in objects} - {
+        (obj["kind"], obj["metadata"]["name"]) for obj in plain}
+    assert added == {("Job", "trainer-b")}
+    assert [(c.where, c.run) for c in run_trainers(objects)] == [("Job/trainer-b container trainer", "b")]
+    trainer, named_run = find(objects, "Job", "trainer"), find(objects, "Job", "trainer-b")
+    assert trainer == find(plain, "Job", "trainer")  # the component leaves the default run's trainer alone
+    assert named_run["metadata"]["namespace"] == trainer["metadata"]["namespace"]
+    assert named_run["metadata"]["labels"] == {**trainer["metadata"]["labels"], RUN_LABEL: "b"}
+    assert named_run["spec"]["template"]["metadata"] == {
+        **trainer["spec"]["template"]["metadata"],
+        "labels": {**trainer["spec"]["template"]["metadata"]["labels"], RUN_LABEL: "b"}}
+    ours, theirs = named_run["spec"]["template"]["spec"], trainer["spec"]["template"]["spec"]
+    assert {k: v for k, v in ours.items() if k not in ("containers", "volumes")} == \
+        {k: v for k, v in theirs.items() if k not in ("containers", "volumes")}
+    assert by_name(ours["volumes"]) == {**by_name(theirs["volumes"]), "run-key": {
+        "name": "run-key", "secret": {"secretName": "lorafleet-run-b", "defaultMode": 0o440}}}
+    (run_container,), (base_container,) = ours["containers"], theirs["containers"]
+    rest = ("env", "volumeMounts")
+    assert {k: v for k, v in run_container.items() if k not in rest} == \
+        {k: v for k, v in base_container.items() if k not in rest}
+    run_env = {name: {"name": name, "value": value} for name, value in RUN_ENV.items()}
+    assert by_name(run_container["env"]) == {**by_name(base_container["env"]), **run_env}
+    assert by_name(run_container["volumeMounts"]) == {**by_name(base_container["volumeMounts"]), "run-key": {
+        "name": "run-key", "mountPath": "/run/secrets/lorafleet-run-key", "subPath": "key", "readOnly": True}}
+
+
+@pytest.mark.parametrize("rendering", RENDERINGS)
+def test_only_the_proxy_and_run_bs_trainer_mount_run_keys(rendered: dict[str, list[Obj]], rendering: str) -> None:
+    """Which container mounts which run-key Secret, read off the rendering (run_key_problems checks the rest)."""
+    mounts = {(c.where, name) for c in containers(rendered[rendering]) for name, _, _ in checks.secret_mounts(c)
+              if name.startswith(checks.RUN_SECRET_PREFIX)}
+    want = {("Deployment/proxy container proxy", checks.RUN_KEYS_SECRET)}
+    if rendering in WITH_RUN:
+        want.add(("Job/trainer-b container trainer", "lorafleet-run-b"))
+    assert mounts == want

@@ -28,6 +28,7 @@ from lorafleet.commands.doctor.checks import (
     check_probe,
     check_rank,
     check_ratio,
+    check_run_keys,
     check_slots,
     check_versions_kept,
     evaluate,
@@ -99,6 +100,8 @@ class FakeFleet:
         self.serves = list(replicas)  # replicas the proxy routes generations to (among the adapter's holders)
         self.routed = 0
         self.budget_full = False  # runs sharing the fleet reserve every LoRA slot: the proxy refuses other loads
+        self.runs: list[str] = []  # runs in /fleet besides the default one
+        self.run_keys: dict[str, Any] = {"enabled": False, "runs": []}  # the proxy's RUN_KEYS_DIR, as /fleet says
 
     def load(self, name: str, path: str, *, ledger: bool = True) -> None:
         for adapters in self.adapters.values():
@@ -133,7 +136,8 @@ class FakeFleet:
                                   "server_info": self.info[url] if self.read[url] else None} for url in self.info],
                     "ledger": [{"name": n, "path": p} for n, p in self.ledger],
                     "router": {"mode": "affinity", "block_size": 128}, "min_ready": 1,
-                    "sync_pause": self.sync_pause})
+                    "sync_pause": self.sync_pause, "runs": [{"run": run} for run in ["default", *self.runs]],
+                    "run_keys": self.run_keys})
             if path == "/server_info":
                 return httpx.Response(200, json=self.proxy_info())
             if path == "/v1/models":
@@ -618,6 +622,28 @@ def test_layout_states_the_trainers_ranks_and_warns_on_a_shared_gpu(values, stat
         assert "TRAINER_GPUS=0,1 VLLM_GPUS=2,3,4,5,6,7" in result.fix
 
 
+# --- run keys ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("runs", "keys", "status", "words"), [
+    ([], {"enabled": False, "runs": []}, Status.PASS, ["no named run", "run keys off"]),
+    (["a", "b"], {"enabled": False, "runs": []}, Status.WARN, ["runs a, b share the fleet without run keys",
+                                                              "set RUN_KEYS_DIR"]),
+    (["a", "b"], {"enabled": True, "runs": ["a"]}, Status.WARN, ["run(s) b have none", "TRAINER_RUN_KEY_FILE"]),
+    (["a", "b"], {"enabled": True, "runs": ["a", "b", "c"]}, Status.PASS, ["run keys on: runs a, b"]),
+])
+async def test_a_shared_fleet_without_run_keys_is_a_warning(fleet: FakeFleet, settings: Settings, runs: list[str],
+                                                            keys: dict[str, Any], status: Status,
+                                                            words: list[str]) -> None:
+    fleet.runs, fleet.run_keys = runs, keys
+    _one(check_run_keys(await _snapshot(fleet, settings)), status, *words)
+
+
+async def test_run_keys_are_not_judged_without_the_proxy(fleet: FakeFleet, settings: Settings) -> None:
+    fleet.proxy_up = False
+    _one(check_run_keys(await _snapshot(fleet, settings)), Status.SKIP, "/fleet was not read")
+
+
 # --- output ---------------------------------------------------------------------------------------------
 
 
@@ -627,7 +653,7 @@ async def test_table_and_json_carry_reason_and_fix(fleet, settings):
     results = evaluate(snapshot, settings, ProbeReport(skipped="probe disabled (--no-probe)"))
     assert [r.name for r in results] == ["fleet", "lora_enabled", "lora_rank", "adapter_sync", "adapter_root",
                                          "names_immutable", "lora_slots", "versions_kept", "broadcasts", "ratio",
-                                         "layout"]
+                                         "layout", "run_keys"]
     assert [r.name for r in failed(results)] == ["adapter_sync", "lora_slots"]
     table = render_table(results)
     assert "lora_slots" in table and "FAIL" in table and "fix: restart those replicas" in table

@@ -82,6 +82,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     ledger.restore()
     fleet = Fleet(settings, router, ledger, transport, metrics)
     upstreams = Upstreams(settings.proxy_request_timeout_s, settings.proxy_upstream_token)
+    fleet.on_eject.append(upstreams.abandon)  # a hung replica's requests in flight are retried elsewhere
     runs = Runs(settings, fleet, metrics, broadcast.unload_from_ready)
 
     app = ProxyApp(title="lorafleet proxy", lifespan=lifespan, docs_url=None, redoc_url=None,

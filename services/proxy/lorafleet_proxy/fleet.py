@@ -130,6 +130,8 @@ class Fleet:
         self._tasks: list[asyncio.Task[None]] = []
         self._block_sizes: set[int] = set()
         self.canary = Canary(settings, self.metrics)
+        # Told (url, why) when a replica is ejected: the front gives up its requests in flight (Upstreams.abandon).
+        self.on_eject: list[Callable[[str, str], None]] = []
 
     @contextlib.asynccontextmanager
     async def broadcasting(self) -> AsyncIterator[None]:
@@ -297,6 +299,8 @@ class Fleet:
         self.router.forget_replica(replica.url)
         self.metrics.ejections.inc()
         log.warning("replica ejected url=%s failures=%d error=%s", replica.url, replica.failures, error)
+        for observer in self.on_eject:
+            observer(replica.url, f"ejected: {error}")
 
     def resync(self, replica: Replica, reason: str) -> None:
         """Take a replica out of traffic and bring it back in line with the ledger."""

@@ -57,7 +57,7 @@ from .fleet import Failure, Fleet
 from .metrics import Metrics
 from .replica import KEEPALIVE_EXPIRY_S, Replica
 from .router import BadPrompt, Prompt, Router
-from .runs import NameMap, Runs, Turn
+from .runs import NameMap, RunKeyRefused, Runs, Turn
 from .upstream import Answer, ConnectRefused, ConnectTimeout, Pool, ReadTimeout, UpstreamError
 
 log = logging.getLogger("lorafleet.proxy.front")
@@ -156,6 +156,13 @@ class Upstreams:
                                           self.read_timeout_s, KEEPALIVE_EXPIRY_S)
         return pool
 
+    def abandon(self, url: str, reason: str) -> None:
+        """The replica at `url` left the fleet: its requests in flight fail now (and are retried elsewhere)."""
+        pool = self.pools.get(url)
+        if pool is not None and (given_up := pool.abandon(reason)):
+            log.warning("upstream %s left the fleet with %d request(s) in flight: retrying them elsewhere", url,
+                        given_up)
+
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
@@ -207,6 +214,10 @@ class Front:
             except RunNameError as exc:
                 await error(404, str(exc), "NotFoundError")(scope, receive, record)
                 self.metrics.count_request("other", 404)
+                return
+            except RunKeyRefused as exc:
+                await error(exc.status, exc.message, exc.error_type)(scope, receive, record)
+                self.metrics.count_request("other", exc.status)
                 return
         try:
             await self.serve(scope, receive, record)

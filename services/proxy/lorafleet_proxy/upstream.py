@@ -12,6 +12,7 @@ alive per replica, and tell failures apart the way the proxy acts on them:
 - `ConnectTimeout`: opening took longer than `connect_timeout_s` (the replica may only be slow).
 - `ReadTimeout`: nothing arrived for `read_timeout_s` while an answer was due (the request was slow).
 - `Disconnected`: the connection broke, or the answer was malformed, before it was complete.
+- `Abandoned`: the proxy gave the exchange up (`Pool.abandon`): the replica left the fleet with it in flight.
 
 The response parser is httptools (llhttp, the parser of Node.js and of uvicorn's server side).
 Idle connections are reused newest first and closed once idle for `keepalive_s` (a sweep runs while
@@ -50,6 +51,10 @@ class ReadTimeout(UpstreamError):
 
 class Disconnected(UpstreamError):
     pass
+
+
+class Abandoned(UpstreamError):
+    """The proxy gave the exchange up: the replica left the fleet (hung, failing) with the request in flight."""
 
 
 class Answer:
@@ -268,6 +273,7 @@ class Pool:
         self.read_timeout_s = read_timeout_s
         self.keepalive_s = keepalive_s
         self.idle: dict[_Connection, None] = {}  # insertion order: the newest idle connection is last
+        self.busy: set[_Connection] = set()  # carrying an exchange
         self.sweeper: asyncio.TimerHandle | None = None
         self.closed = False
 
@@ -275,6 +281,7 @@ class Pool:
         """Send one request (the pool's fixed headers); returns once the answer's headers are in. Read or
         close the answer."""
         connection = self._idle() or await self._connect()
+        self.busy.add(connection)
         data = b"%s %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (
             method.encode(), target.encode("latin-1"), self.head_tail, len(body), body)
         try:
@@ -284,6 +291,7 @@ class Pool:
             raise
 
     def release(self, connection: _Connection) -> None:
+        self.busy.discard(connection)
         if self.closed or connection.lost:
             connection.abort()
             return
@@ -305,6 +313,16 @@ class Pool:
 
     def forget(self, connection: _Connection) -> None:
         self.idle.pop(connection, None)
+        self.busy.discard(connection)
+
+    def abandon(self, reason: str) -> int:
+        """Give up every exchange in flight (each fails with `Abandoned`, its connection closed); how many. A hung
+        replica's requests would otherwise wait out the read timeout; given up, the front retries them elsewhere."""
+        busy, self.busy = self.busy, set()
+        for connection in busy:
+            connection._fail(Abandoned(f"{self.url}: {reason}"))
+            connection.abort()
+        return len(busy)
 
     def close(self) -> None:
         """Close the idle connections; busy ones close when their answer is done."""

@@ -113,6 +113,7 @@ class FleetViews:
             "replicas": [replica.as_json() for replica in self.fleet.replicas.values()],
             "ledger": entries_json(ledger.state()),
             "runs": self.runs.view(),
+            "run_keys": {"enabled": self.runs.keys.enabled, "runs": self.runs.keys.runs()},
             "slots": self.runs.budget(),
             "paused": ledger.paused,
             "ledger_rebuilding": ledger.rebuilding,

@@ -2,7 +2,8 @@
 
 TRL silently falls back to merged full-weight sync (NCCL, one replica only behind a proxy) when the
 server cannot take adapters; lorafleet refuses to start instead, with TRL's own reason. The decision
-itself is TRL's `select_adapter_sync`, fed the same `/server_info` TRL will read.
+itself is TRL's `select_adapter_sync`, fed the same `/server_info` TRL will read. Every call sends the run's key
+(TRAINER_RUN_KEY_FILE, run_key.py) when it has one.
 """
 
 from __future__ import annotations
@@ -66,8 +67,16 @@ def check_adapter_sync(server_config: dict[str, Any], lora_config: Any, max_stal
 
 
 async def wait_healthy(client: VLLMClient, timeout_s: float) -> None:
+    """Wait for the fleet's /health; a refusal of this run's key (401/403) is final: waiting cannot mend it."""
     deadline = time.monotonic() + timeout_s
-    while not await client.health():
+    while True:
+        try:
+            await client.request("GET", "/health", timeout=5.0)
+            return
+        except VLLMError as exc:
+            if exc.status in (401, 403):
+                raise PreflightError(f"refusing to start: {client.base_url}/health answered {exc.status}: "
+                                     f"{exc.message} (TRAINER_RUN_KEY_FILE)") from None
         if time.monotonic() > deadline:
             raise PreflightError(
                 f"refusing to start: {client.base_url}/health did not answer 200 within {timeout_s:.0f}s"
@@ -160,16 +169,21 @@ async def doctor_preflight(settings: Settings, lora_config: Any) -> None:
     log_event(log, "doctor_passed", checks=len(results))
 
 
-async def fleet_size(settings: Settings) -> int:
+def fleet_client(settings: Settings, run_key: str) -> VLLMClient:
+    """A client for TRAINER_VLLM_URL that sends `run_key` as its Bearer key ("" = none)."""
+    return VLLMClient(settings.trainer_vllm_url, token=run_key)
+
+
+async def fleet_size(settings: Settings, *, run_key: str) -> int:
     """probe_fleet against TRAINER_VLLM_URL."""
-    async with VLLMClient(settings.trainer_vllm_url) as client:
+    async with fleet_client(settings, run_key) as client:
         return await probe_fleet(settings, client)
 
 
-async def prepare_fleet(settings: Settings, lora_config: Any) -> None:
+async def prepare_fleet(settings: Settings, lora_config: Any, *, run_key: str) -> None:
     """register_run (shared fleets), preflight, sweep_policies, then the doctor's whole checklist, against
-    TRAINER_VLLM_URL."""
-    async with VLLMClient(settings.trainer_vllm_url) as client:
+    TRAINER_VLLM_URL. (The doctor reads TRAINER_RUN_KEY_FILE itself.)"""
+    async with fleet_client(settings, run_key) as client:
         await wait_healthy(client, settings.trainer_server_timeout_s)
         await register_run(settings, client)
         await preflight(settings, lora_config, client)

@@ -37,6 +37,7 @@ from lorafleet_trainer.ranks import (
     select_gpus,
 )
 from lorafleet_trainer.recipes import RECIPES
+from lorafleet_trainer.run_key import read_run_key
 
 if TYPE_CHECKING:
     from lorafleet_trainer.config import TrainerConfigs
@@ -82,8 +83,11 @@ def resolve_settings(overrides: dict[str, Any]) -> Settings:
     return settings
 
 
-def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: bool = False) -> int:
-    """Build and run the trainer as rank `context.rank` of `plan`; returns the process exit code."""
+def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: bool = False, *, run_key: str) -> int:
+    """Build and run the trainer as rank `context.rank` of `plan`; returns the process exit code.
+
+    `run_key` (read_run_key: TRAINER_RUN_KEY_FILE's content, "" = none) goes on every call to the fleet.
+    """
     from lorafleet_trainer.attention import UnsupportedAttention, choose_backend
     from lorafleet_trainer.config import build_configs
     from lorafleet_trainer.exporter import exporter_callbacks
@@ -104,8 +108,16 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
         raise ConfigError(str(exc)) from exc
     if main_rank:
         log_event(log, "attention_backend", backend=attention.backend, reason=attention.reason)
+    if run_key:
+        from lorafleet_trainer.keyed_rollouts import check_rollout_hooks
+
+        check_rollout_hooks()  # a TRL whose rollouts could not send the key is a config error, found here
+        if main_rank:
+            log_event(log, "run_key_used", file=settings.trainer_run_key_file)  # never the key itself
     try:
-        replicas = settings.trainer_replicas or (1 if dry_run or not main_rank else asyncio.run(fleet_size(settings)))
+        replicas = settings.trainer_replicas or (
+            1 if dry_run or not main_rank else asyncio.run(fleet_size(settings, run_key=run_key))
+        )
     except (PreflightError, VLLMError) as exc:
         log_event(log, "refused", logging.ERROR, reason=str(exc))
         return EXIT_PREFLIGHT
@@ -133,12 +145,12 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
     lifecycle.install_signal_handlers()
     try:
         if main_rank:
-            asyncio.run(prepare_fleet(settings, configs.lora))
+            asyncio.run(prepare_fleet(settings, configs.lora, run_key=run_key))
     except (PreflightError, VLLMError) as exc:
         log_event(log, "refused", logging.ERROR, reason=str(exc))
         return EXIT_PREFLIGHT
     install_kernels(settings, attention.backend, cuda=cuda)
-    retry_control_calls()  # a proxy restart mid-sync must not kill the run
+    retry_control_calls(run_key=run_key)  # a proxy restart mid-sync must not kill the run; TRL's calls send the key
     if checkpoint and main_rank:
         log_event(
             log, "resuming", checkpoint=checkpoint.path, step=checkpoint.step, model_version=checkpoint.model_version
@@ -147,6 +159,10 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
     trainer = build_trainer(settings, configs, [MetricsJsonl(settings.metrics_path), lifecycle,
                                                 *exporter_callbacks(settings)])
     shield_rollout_worker(trainer, lifecycle)
+    if run_key:  # before trainer.train(): TRL spawns the rollout child at train begin
+        from lorafleet_trainer.keyed_rollouts import send_run_key
+
+        send_run_key(trainer, run_key)
     return run_until_stopped(trainer, lifecycle, checkpoint.path if checkpoint else None)
 
 
@@ -283,12 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     if context.rank > 0:  # TRL logs the same lines on every rank: rank 0's are enough
         logging.getLogger("trl").setLevel(max(logging.WARNING, logging.getLogger("trl").level))
     try:
+        run_key = read_run_key(settings)  # once, before anything (the launcher too) starts or asks the fleet
         select_gpus(settings, os.environ)
         plan = plan_for(settings, context, cuda_devices())
         pin_cpu_device(plan, os.environ)
         if plan.launched and not context.launched and not args.dry_run:
             return Launcher(plan, sys.argv[1:] if argv is None else argv).run()
-        return train(settings, plan, context, dry_run=args.dry_run)
+        return train(settings, plan, context, dry_run=args.dry_run, run_key=run_key)
     except ConfigError as exc:
         log_event(log, "config_error", logging.ERROR, reason=str(exc))
         return EXIT_CONFIG

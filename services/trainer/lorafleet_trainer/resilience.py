@@ -6,7 +6,8 @@ connection for a second or two, and that one refusal kills the run in the middle
 Rollouts already survive it (the rollout worker retries). Here the control calls get the same
 treatment, but only for connection errors: a refused connection never reached the proxy, so
 sending it again cannot apply a state change twice. Read errors and HTTP statuses are not
-retried; TRL's own handling of those stays as it is.
+retried; TRL's own handling of those stays as it is. The same session carries the run key (run_key.py), so
+every control call TRL makes (all of them go through this module's `requests.get/post`) sends it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
+
+from lorafleet_trainer.run_key import bearer
 
 # 10 connection attempts with 0.5 s doubling backoff (capped by urllib3 at 120 s) ride out ~2 minutes.
 CONNECT_RETRIES = 10
@@ -36,11 +39,12 @@ def retrying_session(connect_retries: int = CONNECT_RETRIES, backoff_s: float = 
     return session
 
 
-def retry_control_calls(session: requests.Session | None = None) -> None:
-    """Point TRL's VLLMClient module at `requests` whose get/post retry refused connections."""
+def retry_control_calls(session: requests.Session | None = None, *, run_key: str = "") -> None:
+    """Point TRL's VLLMClient module at `requests` whose get/post retry refused connections (and send `run_key`)."""
     from trl.experimental.async_grpo import vllm_client
 
     active = session or retrying_session()
+    active.headers.update(bearer(run_key))
     public = {name: getattr(requests, name) for name in dir(requests) if not name.startswith("__")}
     shim: Any = types.SimpleNamespace(**public)
     shim.get, shim.post = active.get, active.post

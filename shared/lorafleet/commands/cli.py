@@ -1,4 +1,4 @@
-"""The `lorafleet` command: status, doctor, demo, and the offline model/adapter builders."""
+"""The `lorafleet` command: status, doctor, demo, run keys, and the offline model/adapter builders."""
 
 from __future__ import annotations
 
@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--runs", type=int, default=1, choices=range(1, 27), metavar="N",
                       help="training runs sharing the replicas at once (default 1; N > 1: runs a, b, ...)")
     demo.set_defaults(func=_demo)
+
+    from lorafleet import run_keys
+
+    run_key = commands.add_parser("run-key", help="make a run's key: its hash into RUN_KEYS_DIR, the key printed once")
+    run_keys.add_arguments(run_key)
+    run_key.set_defaults(func=run_keys.run)
 
     table = commands.add_parser("settings-table", help="print the README's settings table (Markdown) from the schema")
     table.set_defaults(func=_settings_table)

@@ -22,6 +22,9 @@ never pauses a replica; `wait` also answers only once the run's requests in flig
 cannot abort one run's requests on a shared engine (vLLM's /abort_requests is refused by the proxy), so
 it holds new requests like `keep`. The pause is in the ledger and survives a proxy restart.
 
+Keys (keys.py). With RUN_KEYS_DIR, a named run's routes on the fleet port need that run's Bearer key (401
+without, 403 with another run's), checked before anything changes; the default run and the public port as before.
+
 Leases. A named run that sends nothing for RUN_LEASE_S is expired: its adapters leave the ledger in one
 durable write and are unloaded from every ready replica (one that fails re-syncs to the ledger without
 them: all or nothing), its reservation is returned, the event logged and counted. A trainer that comes
@@ -30,8 +33,9 @@ back re-registers and republishes (TRL does on start).
 
 from .budget import SlotBook, SlotBudget
 from .fairshare import FairShare, Ticket
+from .keys import RunKeyRefused, RunKeys
 from .names import RUN_SCOPE_KEY, NameMap, foreign_name, not_its_own, own_name, split_run_path
 from .registry import LiveRun, Runs, Turn
 
-__all__ = ["RUN_SCOPE_KEY", "FairShare", "LiveRun", "NameMap", "Runs", "SlotBook", "SlotBudget", "Ticket", "Turn",
-           "foreign_name", "not_its_own", "own_name", "split_run_path"]
+__all__ = ["RUN_SCOPE_KEY", "FairShare", "LiveRun", "NameMap", "RunKeyRefused", "RunKeys", "Runs", "SlotBook",
+           "SlotBudget", "Ticket", "Turn", "foreign_name", "not_its_own", "own_name", "split_run_path"]

@@ -25,6 +25,7 @@ from ..auth import on_public_port
 from ..errors import ledger_failed
 from .budget import SlotBudget
 from .fairshare import FairShare, Ticket, estimate_tokens, prompt_tokens
+from .keys import RunKeys
 from .names import RUN_SCOPE_KEY, NameMap, own_name, run_of_scope, split_run_path
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class Runs:
         self.unload = unload  # injected: a run's expiry unloads through the broadcasts, which know nothing of runs
         self.ledger = fleet.ledger
         self.metrics = metrics
+        self.keys = RunKeys(settings.run_keys_dir)
         self.live: dict[str, LiveRun] = {}
         self.slots = SlotBudget(settings, self._capacities, metrics)
         # Per replica: its batch, plus a pipeline waiting in its engine (README "Several runs on one fleet").
@@ -114,8 +116,10 @@ class Runs:
 
     def enter(self, scope: Scope) -> Scope:
         """A request under /runs/<run>/: the same route without the prefix, marked with its run, whose lease
-        starts over. Raises RunNameError (a 404 for the front) for a malformed run name."""
+        starts over. Raises RunNameError (a 404 for the front) for a malformed run name, RunKeyRefused (401/403)
+        for a request without the run's key where runs have keys; either before anything changes."""
         run, path = split_run_path(scope["path"])
+        self.keys.check(scope, run)
         self.touch(run)
         return {**scope, "path": path, "raw_path": path.encode(), RUN_SCOPE_KEY: run}
 

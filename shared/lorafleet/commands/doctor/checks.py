@@ -467,6 +467,30 @@ def check_layout(settings: Settings) -> CheckResult:
     return CheckResult(name, Status.PASS, f"{trainer}; {pool}; disjoint")
 
 
+def check_run_keys(snapshot: Snapshot) -> CheckResult:
+    """11. A fleet shared by named runs has run keys (else any client on the fleet network can act as any run)."""
+    name = "run_keys"
+    if snapshot.named_runs is None:
+        why = snapshot.proxy_error or "no fleet URL"
+        return CheckResult(name, Status.SKIP, f"the proxy's /fleet was not read: {why}",
+                           "start the proxy, then run the doctor again")
+    if not snapshot.named_runs:
+        on = "on" if snapshot.run_keys is not None else "off"
+        return CheckResult(name, Status.PASS, f"no named run on the fleet (run keys {on}): nothing to separate")
+    runs = ", ".join(snapshot.named_runs)
+    if snapshot.run_keys is None:
+        return CheckResult(name, Status.WARN, f"runs {runs} share the fleet without run keys: any client on the fleet "
+                           "network can load, unload, pause or generate as any run",
+                           "set RUN_KEYS_DIR on the proxy and give each run its key (`make train RUN=<run>` does; "
+                           "README \"Run keys\")")
+    keyless = [run for run in snapshot.named_runs if run not in snapshot.run_keys]
+    if keyless:
+        return CheckResult(name, Status.WARN, f"run keys on, but run(s) {', '.join(keyless)} have none: their "
+                           "trainers are refused (401)", "`lorafleet run-key <run> --key-file ...` for each, "
+                           "then TRAINER_RUN_KEY_FILE in its trainer")
+    return CheckResult(name, Status.PASS, f"run keys on: runs {runs} each need their own key")
+
+
 def evaluate(snapshot: Snapshot, settings: Settings, probe: ProbeReport, peft_config: Any = None) -> list[CheckResult]:
     """All checks, in the checklist's order, from what was observed."""
     exclude = frozenset({probe.name}) if probe.name else frozenset()
@@ -482,4 +506,5 @@ def evaluate(snapshot: Snapshot, settings: Settings, probe: ProbeReport, peft_co
         check_broadcasts(probe, snapshot),
         check_ratio(snapshot),
         check_layout(settings),
+        check_run_keys(snapshot),
     ]

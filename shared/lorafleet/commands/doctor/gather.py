@@ -17,6 +17,8 @@ import httpx
 from lorafleet import ledger_file
 from lorafleet.commands.doctor.model import ReplicaView, Snapshot
 from lorafleet.logs import log_event
+from lorafleet.run_keys import read_key_file
+from lorafleet.runs import DEFAULT_RUN
 from lorafleet.settings import Settings
 from lorafleet.vllm_api import ServerInfo, VLLMClient, VLLMError, VLLMUnreachable
 
@@ -62,9 +64,11 @@ async def _read_replica(replica: ReplicaView, token: str, http: httpx.AsyncClien
             replica.error = str(exc)
 
 
-async def _read_proxy(snapshot: Snapshot, views: dict[str, ReplicaView], http: httpx.AsyncClient | None) -> None:
+async def _read_proxy(snapshot: Snapshot, views: dict[str, ReplicaView], token: str,
+                      http: httpx.AsyncClient | None) -> None:
+    """The proxy's view; `token` is the run's key where the fleet URL is a run's on a fleet with run keys."""
     assert snapshot.fleet_url is not None
-    async with api_client(snapshot.fleet_url, http=http) as proxy:
+    async with api_client(snapshot.fleet_url, token, http) as proxy:
         try:
             fleet = (await proxy.request("GET", "/fleet")).json()
             for item in fleet.get("replicas", []):
@@ -76,6 +80,9 @@ async def _read_proxy(snapshot: Snapshot, views: dict[str, ReplicaView], http: h
             snapshot.ledger = [(str(e["name"]), str(e["path"])) for e in fleet.get("ledger", [])]
             snapshot.ledger_source = f"{snapshot.fleet_url}/fleet"
             snapshot.sync_pause = fleet.get("sync_pause")
+            snapshot.named_runs = sorted(row["run"] for row in fleet.get("runs", []) if row["run"] != DEFAULT_RUN)
+            keys = fleet.get("run_keys") or {}
+            snapshot.run_keys = list(keys.get("runs", [])) if keys.get("enabled") else None
             snapshot.proxy_info = (await proxy.request("GET", "/server_info", params={"config_format": "json"})).json()
             cards = await proxy.models()
             snapshot.proxy_base_model = cards[0].id if cards else None
@@ -89,7 +96,7 @@ async def gather_snapshot(settings: Settings, fleet_url: str | None, replica_url
     snapshot = Snapshot(fleet_url=fleet_url.rstrip("/") if fleet_url else None)
     views: dict[str, ReplicaView] = {}
     if snapshot.fleet_url:
-        await _read_proxy(snapshot, views, http)
+        await _read_proxy(snapshot, views, read_key_file(settings.trainer_run_key_file), http)
     else:
         snapshot.proxy_error = "no fleet URL given"
     for url in replica_urls:

@@ -67,6 +67,8 @@ class Snapshot:
     proxy_info: dict[str, Any] | None = None  # the proxy's /server_info?config_format=json (trainer's view)
     proxy_base_model: str | None = None  # /v1/models data[0].id through the proxy
     sync_pause: str | None = None  # the proxy's PROXY_SYNC_PAUSE as /fleet reports it; None when it does not
+    named_runs: list[str] | None = None  # runs other than the default one in /fleet; None when unknown
+    run_keys: list[str] | None = None  # runs with a key when the proxy has run keys; None when off or unknown
     ledger: list[tuple[str, str]] | None = None  # (name, path) in load order; None when unknown
     ledger_source: str = ""
     replicas: list[ReplicaView] = field(default_factory=list)

@@ -1,0 +1,66 @@
+"""`lorafleet run-key NAME`: the key shown once (or written 0600 for its trainer), only its hash kept, an existing
+key never replaced by accident, clear exits naming what is wrong; and it runs on the standard library alone, as
+`make train RUN=b` runs it on a host without lorafleet installed."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lorafleet.commands.cli import main
+from lorafleet.run_keys import KEY_PREFIX, digest, read_keys
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+def test_the_key_is_printed_once_and_only_its_hash_is_kept(tmp_path: Path, capsys: pytest.CaptureFixture[str]) \
+        -> None:
+    assert main(["run-key", "b", "--dir", str(tmp_path)]) == 0
+    key = capsys.readouterr().out.strip()
+    assert key.startswith(KEY_PREFIX) and len(key) > 40
+    assert read_keys(tmp_path) == {"b": digest(key)}
+    assert key not in (tmp_path / "b").read_text()
+    assert main(["run-key", "b", "--dir", str(tmp_path)]) == 2  # kept: a second trainer cannot lock the first out
+    assert "already has a key" in capsys.readouterr().err and read_keys(tmp_path) == {"b": digest(key)}
+    assert main(["run-key", "b", "--dir", str(tmp_path), "--rotate"]) == 0
+    rotated = capsys.readouterr().out.strip()
+    assert rotated != key and read_keys(tmp_path) == {"b": digest(rotated)}
+
+
+def test_a_key_file_is_private_and_the_key_is_not_printed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) \
+        -> None:
+    key_file = tmp_path / "keys" / "b.key"
+    assert main(["run-key", "b", "--dir", str(tmp_path / "hashes"), "--key-file", str(key_file)]) == 0
+    key = key_file.read_text().strip()
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert key not in capsys.readouterr().out
+    assert read_keys(tmp_path / "hashes") == {"b": digest(key)}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["run-key", "b"], "RUN_KEYS_DIR: not set"),
+    (["run-key", "bad--name", "--dir", "."], "invalid run name"),
+    (["run-key", "default", "--dir", "."], "the default run has no key"),
+])
+def test_bad_input_exits_2_naming_it_and_writes_nothing(argv: list[str], message: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RUN_KEYS_DIR", raising=False)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+
+
+def test_it_runs_on_the_standard_library_alone(tmp_path: Path) -> None:
+    """`python -S` (no site-packages), only shared/ on the path: no pydantic, no lorafleet (what `make train` has)."""
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(SHARED), "RUN_KEYS_DIR": str(tmp_path)}
+    script = "import sys; sys.path.insert(0, sys.argv[1]); sys.argv[1:] = ['b']; " \
+             "from lorafleet.run_keys import main; sys.exit(main())"
+    done = subprocess.run([sys.executable, "-S", "-c", script, str(SHARED)], env=env, capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert read_keys(tmp_path) == {"b": digest(done.stdout.strip())}
