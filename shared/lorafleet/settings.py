@@ -227,6 +227,10 @@ class Settings(BaseSettings):
         "http://proxy:8000", description="The proxy's fleet port as the trainer reaches it; "
         "http://proxy:8000/runs/<run> trains as run <run> on a shared fleet.",
     )
+    trainer_fleet_wait_s: float = Field(
+        600.0, gt=0, description="How long the trainer waits for an unreachable fleet (the proxy restarting or gone, "
+        "no ready replica) before it gives up: rollouts and control calls retry, logged, at most 5 s apart.",
+    )
     trainer_run_key_file: str = Field(
         "", description="File holding this trainer's run key (`lorafleet run-key`), sent as Bearer on every call to "
         "the fleet. Empty = none (the default run, or a fleet without run keys).",

@@ -92,6 +92,7 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
     from lorafleet_trainer.config import build_configs
     from lorafleet_trainer.exporter import exporter_callbacks
     from lorafleet_trainer.fleet import PreflightError, fleet_size, prepare_fleet
+    from lorafleet_trainer.fleet_rollouts import check_rollout_hooks, wire_rollouts
     from lorafleet_trainer.lifecycle import Limits, RunLifecycle, shield_rollout_worker
     from lorafleet_trainer.resilience import retry_control_calls
     from lorafleet_trainer.run_state import MetricsJsonl, check_resumable, newest_checkpoint
@@ -108,12 +109,9 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
         raise ConfigError(str(exc)) from exc
     if main_rank:
         log_event(log, "attention_backend", backend=attention.backend, reason=attention.reason)
-    if run_key:
-        from lorafleet_trainer.keyed_rollouts import check_rollout_hooks
-
-        check_rollout_hooks()  # a TRL whose rollouts could not send the key is a config error, found here
-        if main_rank:
-            log_event(log, "run_key_used", file=settings.trainer_run_key_file)  # never the key itself
+    check_rollout_hooks()  # a TRL whose rollouts could not send the key or wait for the fleet: a config error, here
+    if run_key and main_rank:
+        log_event(log, "run_key_used", file=settings.trainer_run_key_file)  # never the key itself
     try:
         replicas = settings.trainer_replicas or (
             1 if dry_run or not main_rank else asyncio.run(fleet_size(settings, run_key=run_key))
@@ -150,7 +148,8 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
         log_event(log, "refused", logging.ERROR, reason=str(exc))
         return EXIT_PREFLIGHT
     install_kernels(settings, attention.backend, cuda=cuda)
-    retry_control_calls(run_key=run_key)  # a proxy restart mid-sync must not kill the run; TRL's calls send the key
+    # A proxy restart mid-sync must not kill the run; TRL's calls send the key.
+    retry_control_calls(run_key=run_key, fleet_wait_s=settings.trainer_fleet_wait_s)
     if checkpoint and main_rank:
         log_event(
             log, "resuming", checkpoint=checkpoint.path, step=checkpoint.step, model_version=checkpoint.model_version
@@ -159,10 +158,7 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
     trainer = build_trainer(settings, configs, [MetricsJsonl(settings.metrics_path), lifecycle,
                                                 *exporter_callbacks(settings)])
     shield_rollout_worker(trainer, lifecycle)
-    if run_key:  # before trainer.train(): TRL spawns the rollout child at train begin
-        from lorafleet_trainer.keyed_rollouts import send_run_key
-
-        send_run_key(trainer, run_key)
+    wire_rollouts(trainer, run_key, settings.trainer_fleet_wait_s)  # before train(): TRL spawns the child then
     return run_until_stopped(trainer, lifecycle, checkpoint.path if checkpoint else None)
 
 

@@ -3,15 +3,17 @@
 TRL 1.16's `VLLMClient` sends each sync call once with plain `requests`: a proxy that is
 restarting (a new image, a crash, `docker compose up` after a config change) refuses the
 connection for a second or two, and that one refusal kills the run in the middle of a sync.
-Rollouts already survive it (the rollout worker retries). Here the control calls get the same
-treatment, but only for connection errors: a refused connection never reached the proxy, so
-sending it again cannot apply a state change twice. Read errors and HTTP statuses are not
-retried; TRL's own handling of those stays as it is. The same session carries the run key (run_key.py), so
+Rollouts wait for the fleet in fleet_rollouts.py. Here the control calls get the same treatment for the two
+failures that cannot have changed anything: a refused connection never reached the proxy, and the proxy's 503
+means it did nothing (no ready replica yet); sending them again cannot apply a state change twice. Both are
+waited out up to TRAINER_FLEET_WAIT_S. Read errors and other statuses are not retried; TRL's own handling of
+those stays as it is. The same session carries the run key (run_key.py), so
 every control call TRL makes (all of them go through this module's `requests.get/post`) sends it.
 """
 
 from __future__ import annotations
 
+import math
 import types
 from typing import Any
 
@@ -21,16 +23,28 @@ from urllib3.util.retry import Retry
 
 from lorafleet_trainer.run_key import bearer
 
-# 10 connection attempts with 0.5 s doubling backoff (capped by urllib3 at 120 s) ride out ~2 minutes.
+# Connection attempts with a 0.5 s doubling backoff, capped at RETRY_MAX_S: back on the fleet within seconds of its
+# return. CONNECT_RETRIES (the default without a fleet wait) rides out ~30 s; retries_for(wait) about `wait`.
 CONNECT_RETRIES = 10
 BACKOFF_S = 0.5
+RETRY_MAX_S = 5.0
+# The proxy's 503 means nothing was done (no ready replica yet, its ledger being rebuilt): a restarted proxy
+# answers it for a moment before its replicas are ready again, so it is waited out like a refused connection.
+RETRY_STATUSES = (503,)
+
+
+def retries_for(wait_s: float) -> int:
+    """Attempts whose backoff adds up to at least `wait_s` (TRAINER_FLEET_WAIT_S)."""
+    return max(1, math.ceil(wait_s / RETRY_MAX_S)) + 4  # the first four sleep less than RETRY_MAX_S together
 
 
 def retrying_session(connect_retries: int = CONNECT_RETRIES, backoff_s: float = BACKOFF_S) -> requests.Session:
-    """A Session that re-sends a request only when the connection could not be made."""
+    """A Session that re-sends a request only when the connection could not be made or the proxy said 503
+    (urllib3 logs each retry)."""
     retry = Retry(
-        total=None, connect=connect_retries, read=0, status=0, other=0, redirect=0,
-        backoff_factor=backoff_s, allowed_methods=None, raise_on_status=False,
+        total=None, connect=connect_retries, read=0, status=connect_retries, other=0, redirect=0,
+        status_forcelist=RETRY_STATUSES, backoff_factor=backoff_s, backoff_max=RETRY_MAX_S, allowed_methods=None,
+        raise_on_status=False,
     )  # fmt: skip
     adapter = HTTPAdapter(max_retries=retry)
     session = requests.Session()
@@ -39,11 +53,14 @@ def retrying_session(connect_retries: int = CONNECT_RETRIES, backoff_s: float = 
     return session
 
 
-def retry_control_calls(session: requests.Session | None = None, *, run_key: str = "") -> None:
-    """Point TRL's VLLMClient module at `requests` whose get/post retry refused connections (and send `run_key`)."""
+def retry_control_calls(session: requests.Session | None = None, *, run_key: str = "",
+                        fleet_wait_s: float | None = None) -> None:
+    """Point TRL's VLLMClient module at `requests` whose get/post wait for the fleet (refused connections, 503) up
+    to `fleet_wait_s` (TRAINER_FLEET_WAIT_S) and send `run_key`."""
     from trl.experimental.async_grpo import vllm_client
 
-    active = session or retrying_session()
+    retries = CONNECT_RETRIES if fleet_wait_s is None else retries_for(fleet_wait_s)
+    active = session or retrying_session(retries)
     active.headers.update(bearer(run_key))
     public = {name: getattr(requests, name) for name in dir(requests) if not name.startswith("__")}
     shim: Any = types.SimpleNamespace(**public)

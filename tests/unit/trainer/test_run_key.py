@@ -3,6 +3,7 @@ TRL's control calls and TRL's rollout child. Each is checked against a real HTTP
 
 from __future__ import annotations
 
+import collections
 import http.server
 import importlib
 import json
@@ -10,6 +11,7 @@ import os
 import pickle
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,7 +218,7 @@ def test_trls_control_calls_send_the_run_key(server: RecordingServer, monkeypatc
     assert server.authorizations() == {expected}
 
 
-# --- (c) TRL's rollout child (keyed_rollouts.py) -----------------------------------------------------------------
+# --- (c) TRL's rollout child (fleet_rollouts.py) -----------------------------------------------------------------
 
 class _Tokenizer:
     """Enough of a tokenizer for TRL's loop to be built (a response template: no schema is looked up)."""
@@ -279,66 +281,65 @@ def test_the_rollout_child_sends_the_run_key(server: RecordingServer, monkeypatc
                                              expected: str | None) -> None:
     """TRL's own start() and _child_main() (in a thread instead of a spawned process), its _run_loops session and
     _post: only the generate and score loops are stand-ins."""
-    from lorafleet_trainer.keyed_rollouts import KeyedRolloutLoop, send_run_key
+    from lorafleet_trainer.fleet_rollouts import FleetRolloutLoop, wire_rollouts
     from trl.experimental.async_grpo import async_rollout_worker as trl_worker
 
     monkeypatch.setattr(trl_worker._AsyncRolloutLoop, "_generate_loop", _post_one_completion)
     monkeypatch.setattr(trl_worker._AsyncRolloutLoop, "_score_loop", _no_scoring)
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the child's env scrub stays in this test
     worker = rollout_worker(server.url + RUN)
-    send_run_key(trainer_with(worker), key)
+    wire_rollouts(trainer_with(worker), key, 600.0)
     worker._mp_ctx = SimpleNamespace(Process=_InlineChild)
     try:
         worker.start()
     finally:
         worker.stop()
     assert not worker._failed_event.is_set()
-    assert _InlineChild.unpickled_loop_cls is (KeyedRolloutLoop if key else trl_worker._AsyncRolloutLoop)
+    assert _InlineChild.unpickled_loop_cls is FleetRolloutLoop
     assert server.seen == [Seen("POST", f"{RUN}/v1/completions", expected)]
 
 
 def test_the_keyed_loop_is_what_spawn_can_import_and_carries_the_key_in_its_kwargs(server: RecordingServer) -> None:
     """Spawn pickles the loop class by module and name; the key rides in the kwargs the child builds the loop from."""
-    from lorafleet_trainer.keyed_rollouts import KeyedRolloutLoop, send_run_key
+    from lorafleet_trainer.fleet_rollouts import FleetRolloutLoop, wire_rollouts
 
     worker = rollout_worker(server.url + RUN)
-    send_run_key(trainer_with(worker), KEY)
-    module = importlib.import_module("lorafleet_trainer.keyed_rollouts")
-    assert worker._loop_cls is KeyedRolloutLoop is getattr(module, KeyedRolloutLoop.__qualname__)
+    wire_rollouts(trainer_with(worker), KEY, 600.0)
+    module = importlib.import_module("lorafleet_trainer.fleet_rollouts")
+    assert worker._loop_cls is FleetRolloutLoop is getattr(module, FleetRolloutLoop.__qualname__)
     assert worker._loop_kwargs["run_key"] == KEY
 
 
-def test_without_a_key_the_rollout_worker_is_left_as_trl_built_it(server: RecordingServer) -> None:
-    from lorafleet_trainer.keyed_rollouts import send_run_key
-    from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
+def test_without_a_key_the_rollout_loop_adds_no_header_but_still_waits_for_the_fleet(server: RecordingServer) -> None:
+    from lorafleet_trainer.fleet_rollouts import FleetRolloutLoop, wire_rollouts
 
     worker = rollout_worker(server.url + RUN)
-    before = dict(worker._loop_kwargs)
-    send_run_key(trainer_with(worker), "")
-    assert worker._loop_cls is _AsyncRolloutLoop
-    assert worker._loop_kwargs == before
+    wire_rollouts(trainer_with(worker), "", 42.0)
+    assert worker._loop_cls is FleetRolloutLoop
+    assert worker._loop_kwargs["run_key"] == "" and worker._loop_kwargs["fleet_wait_s"] == 42.0
 
 
 def test_a_worker_the_key_cannot_reach_refuses_loudly(server: RecordingServer) -> None:
-    from lorafleet_trainer.keyed_rollouts import RunKeyUnsupported, send_run_key
+    from lorafleet_trainer.fleet_rollouts import RolloutsUnsupported, wire_rollouts
 
-    with pytest.raises(RunKeyUnsupported, match="not TRL's AsyncRolloutWorker"):
-        send_run_key(trainer_with(SimpleNamespace(_loop_cls=object, _loop_kwargs={})), KEY)
-    with pytest.raises(RunKeyUnsupported, match="rank 0 has no rollout worker"):
-        send_run_key(trainer_with(None), KEY)
+    with pytest.raises(RolloutsUnsupported, match="not TRL's AsyncRolloutWorker"):
+        wire_rollouts(trainer_with(SimpleNamespace(_loop_cls=object, _loop_kwargs={})), KEY, 600.0)
+    with pytest.raises(RolloutsUnsupported, match="rank 0 has no rollout worker"):
+        wire_rollouts(trainer_with(None), KEY, 600.0)
     started = rollout_worker(server.url + RUN)
     started._process = object()
-    with pytest.raises(RunKeyUnsupported, match="started before"):
-        send_run_key(trainer_with(started), KEY)
+    with pytest.raises(RolloutsUnsupported, match="started before it was wired"):
+        wire_rollouts(trainer_with(started), KEY, 600.0)
 
 
 def test_a_trl_without_the_hooks_is_a_config_error_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lorafleet_trainer.keyed_rollouts import check_rollout_hooks
+    from lorafleet_trainer.fleet_rollouts import check_rollout_hooks
     from trl.experimental.async_grpo import async_rollout_worker as trl_worker
 
     check_rollout_hooks()  # TRL 1.16, as installed
     monkeypatch.delattr(trl_worker.AsyncRolloutWorker, "_loop_cls")
-    with pytest.raises(ConfigError, match=r"^TRAINER_RUN_KEY_FILE is set, but .* lacks AsyncRolloutWorker\._loop_cls"):
+    missing = r"^TRAINER_RUN_KEY_FILE / TRAINER_FLEET_WAIT_S: .* lacks AsyncRolloutWorker\._loop_cls"
+    with pytest.raises(ConfigError, match=missing):
         check_rollout_hooks()
 
 
@@ -358,3 +359,67 @@ async def test_a_refused_key_ends_the_wait_for_the_fleet_at_once() -> None:
         with pytest.raises(PreflightError, match=r"answered 401: run 'b' needs its run key .*TRAINER_RUN_KEY_FILE"):
             await wait_healthy(client, timeout_s=60)
     assert len(calls) == 1
+
+
+# --- the rollouts' wait for the fleet (TRAINER_FLEET_WAIT_S) -------------------------------------------------------
+
+
+def waiting_loop(wait_s: float, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A FleetRolloutLoop with only what `_retry` uses (TRL's own __init__ needs a dataset and a tokenizer)."""
+    from lorafleet_trainer import fleet_rollouts
+
+    monkeypatch.setattr(fleet_rollouts, "RETRY_MAX_S", 0.01)
+    loop = fleet_rollouts.FleetRolloutLoop.__new__(fleet_rollouts.FleetRolloutLoop)
+    loop._fleet_wait_s = wait_s
+    loop._counters = collections.defaultdict(float)
+    return loop
+
+
+def answered(status: int) -> BaseException:
+    """What aiohttp's raise_for_status raises for `status`."""
+    import aiohttp
+    from multidict import CIMultiDict, CIMultiDictProxy
+    from yarl import URL
+
+    url = URL("http://proxy:8000/v1/completions")
+    info = aiohttp.RequestInfo(url, "POST", CIMultiDictProxy(CIMultiDict()), url)
+    return aiohttp.ClientResponseError(info, (), status=status, message="from the proxy")
+
+
+def failing(failures: list[BaseException]) -> Callable[[], Any]:
+    async def attempt() -> str:
+        if failures:
+            raise failures.pop(0)
+        return "answer"
+
+    return attempt
+
+
+async def test_a_completion_waits_for_the_fleet_and_goes_on_when_it_is_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiohttp
+    from lorafleet_trainer.fleet_rollouts import COMPLETIONS_LABEL
+
+    loop = waiting_loop(30.0, monkeypatch)
+    unavailable = answered(503)
+    outage = [aiohttp.ClientConnectionError("refused")] * 40 + [unavailable, TimeoutError()]
+    assert await loop._retry(failing(list(outage)), label=COMPLETIONS_LABEL, max_attempts=30) == "answer"
+    assert loop._counters["rollout/vllm_retry_total"] == len(outage)  # beyond TRL's 30 attempts
+
+
+async def test_a_refusal_is_final_and_the_wait_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiohttp
+    from lorafleet_trainer.fleet_rollouts import COMPLETIONS_LABEL
+
+    loop = waiting_loop(30.0, monkeypatch)
+    refused = answered(401)
+    with pytest.raises(aiohttp.ClientResponseError):
+        await loop._retry(failing([refused]), label=COMPLETIONS_LABEL)
+    assert loop._counters["rollout/vllm_retry_total"] == 0
+    loop = waiting_loop(0.2, monkeypatch)
+    started = time.monotonic()
+    with pytest.raises(aiohttp.ClientConnectionError):
+        await loop._retry(failing([aiohttp.ClientConnectionError("refused")] * 10_000), label=COMPLETIONS_LABEL)
+    assert time.monotonic() - started < 10  # gave up once TRAINER_FLEET_WAIT_S had passed
+    with pytest.raises(aiohttp.ClientConnectionError):  # TRL's inner quick attempts are one try: the outer one waits
+        await loop._retry(failing([aiohttp.ClientConnectionError("refused")]), label="POST /v1/completions",
+                          max_attempts=3)

@@ -1,0 +1,151 @@
+"""TRL's rollout requests as the fleet needs them: the run key on each, and a bounded, logged wait for the fleet.
+
+TRL 1.16's `AsyncRolloutWorker` has no header setting and retries a completion a fixed 30 times (1 to 16 s apart,
+~7 min, each try itself 3 quick attempts), whatever the operator wants. Its worker spawns a child process that
+builds `worker._loop_cls(**worker._loop_kwargs, ...)` and posts every completion through the `aiohttp.ClientSession`
+that `_AsyncRolloutLoop._run_loops` opens; a patch made in the parent never reaches a spawned child. So the loop class
+becomes `FleetRolloutLoop` (pickled by reference: the child imports it from this module) and its settings ride in
+`_loop_kwargs` (pickled through the spawn pipe, never an environment variable):
+
+- the run key (TRAINER_RUN_KEY_FILE) is set as a default header of the session the moment TRL stores it in
+  `self.session`, so every request on it carries the key and TRL's own code runs unchanged;
+- a completion that cannot reach the fleet (refused, reset, timed out, a 5xx, a 408/429) is retried every
+  `RETRY_MAX_S` at most until TRAINER_FLEET_WAIT_S has passed since its first failure, each retry logged with the
+  time waited; other 4xx answers are final (a retry cannot mend a refused key or a bad request).
+
+TRL's private names are checked at start: a TRL without them refuses to start (a config error) rather than sending
+no key or giving up early. A module of its own because it imports TRL's rollout worker at load time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from lorafleet.settings import ConfigError
+from trl.experimental.async_grpo import async_rollout_worker as trl_worker
+
+from lorafleet_trainer.run_key import bearer
+
+log = logging.getLogger("lorafleet_trainer.rollouts")  # not TRL's: accelerate's logger raises before PartialState()
+
+RUN_KEY_KWARG = "run_key"  # the loop kwargs that carry our settings into the child
+FLEET_WAIT_KWARG = "fleet_wait_s"
+RETRY_MAX_S = 5.0  # back on the fleet within seconds of its return
+RETRY_STATUSES = frozenset({408, 429})  # the 4xx answers that say "later", not "no"
+COMPLETIONS_LABEL = "vllm /v1/completions"  # TRL's label of its outer, per-completion retry
+# TRL's loop class; `object` only so that a TRL without it still imports this module and check_rollout_hooks says so.
+_TRL_LOOP: Any = getattr(trl_worker, "_AsyncRolloutLoop", object)
+_RETRYABLE: tuple[type[BaseException], ...] = getattr(trl_worker, "_RETRYABLE_HTTP_ERRORS", (aiohttp.ClientError,))
+
+
+class RolloutsUnsupported(RuntimeError):
+    """The trainer's rollout worker is not the TRL 1.16 worker this module wires into."""
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether another try may succeed: the fleet unreachable or failing, not a 4xx that says no."""
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return exc.status >= 500 or exc.status in RETRY_STATUSES
+    return isinstance(exc, _RETRYABLE)
+
+
+class FleetRolloutLoop(_TRL_LOOP):
+    """TRL's rollout loop whose session sends the run key and whose completions wait for the fleet (in the child)."""
+
+    def __init__(self, *, run_key: str = "", fleet_wait_s: float = 600.0, **loop_kwargs: Any) -> None:
+        self._run_key = run_key  # before TRL's __init__, which assigns self.session
+        self._fleet_wait_s = fleet_wait_s
+        super().__init__(**loop_kwargs)
+
+    @property
+    def session(self) -> Any:
+        return self.__dict__.get("_fleet_session")
+
+    @session.setter
+    def session(self, session: Any) -> None:
+        """TRL stores the session it opened in `_run_loops` here, before its first request."""
+        if session is not None:
+            session.headers.update(bearer(getattr(self, "_run_key", "")))
+        self.__dict__["_fleet_session"] = session
+
+    async def _retry(self, coro_factory: Callable[[], Awaitable[Any]], *, label: str, max_attempts: int = 1) -> Any:
+        """A completion waits for the fleet up to TRAINER_FLEET_WAIT_S; TRL's inner quick attempts are one try."""
+        if label != COMPLETIONS_LABEL:
+            return await coro_factory()
+        first_failure: float | None = None
+        attempt = 0
+        while True:
+            try:
+                return await coro_factory()
+            except Exception as exc:
+                if not retryable(exc):
+                    raise
+                now = time.monotonic()
+                first_failure = first_failure or now
+                waited = now - first_failure
+                if waited >= self._fleet_wait_s:
+                    log.error("rollout gave up: the fleet failed for %.0fs (TRAINER_FLEET_WAIT_S=%g): %s: %s",
+                              waited, self._fleet_wait_s, type(exc).__name__, exc)
+                    raise
+                attempt += 1
+                self._counters["rollout/vllm_retry_total"] += 1
+                sleep = min(2.0 ** (attempt - 1), RETRY_MAX_S, self._fleet_wait_s - waited)
+                log.warning("rollout waiting for the fleet: %s: %s; %.0fs of TRAINER_FLEET_WAIT_S=%g, retry in %.1fs",
+                            type(exc).__name__, exc, waited, self._fleet_wait_s, sleep)
+                await asyncio.sleep(sleep)
+
+
+def _uses(function: Any, text: str) -> bool:
+    try:
+        return text in inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+
+
+def check_rollout_hooks() -> None:
+    """Raise ConfigError unless TRL's rollout worker has what FleetRolloutLoop relies on (TRL 1.16's names)."""
+    loop_cls = getattr(trl_worker, "_AsyncRolloutLoop", None)
+    worker_cls = getattr(trl_worker, "AsyncRolloutWorker", None)
+    hooks = {
+        "_AsyncRolloutLoop": loop_cls is not None and loop_cls is _TRL_LOOP,
+        "AsyncRolloutWorker._loop_cls": loop_cls is not None and getattr(worker_cls, "_loop_cls", None) is loop_cls,
+        "_AsyncRolloutLoop._run_loops storing self.session": _uses(getattr(loop_cls, "_run_loops", None),
+                                                                   "self.session"),
+        "_AsyncRolloutLoop._post posting on self.session": _uses(getattr(loop_cls, "_post", None), "self.session"),
+        f"completions retried as {COMPLETIONS_LABEL!r}": _uses(loop_cls, f'label="{COMPLETIONS_LABEL}"'),
+    }
+    missing = [name for name, present in hooks.items() if not present]
+    if missing:
+        raise ConfigError(
+            f"TRAINER_RUN_KEY_FILE / TRAINER_FLEET_WAIT_S: this TRL's rollout worker lacks {', '.join(missing)} "
+            "(lorafleet wires into TRL 1.16's): its rollouts could not send the run key or wait for the fleet"
+        )
+
+
+def wire_rollouts(trainer: Any, run_key: str, fleet_wait_s: float) -> None:
+    """Make the rollout child that `trainer` spawns at train begin send `run_key` ("" = none) and wait up to
+    `fleet_wait_s` for the fleet. Call it after the trainer is built and before `trainer.train()` (TRL starts the
+    worker in on_train_begin)."""
+    worker = getattr(trainer, "rollout_worker", None)
+    if worker is None:
+        if trainer.accelerator.is_main_process:  # TRL builds the worker on rank 0 only
+            raise RolloutsUnsupported("rank 0 has no rollout worker to wire to the fleet")
+        return
+    if not isinstance(worker, trl_worker.AsyncRolloutWorker) or worker._loop_cls is not trl_worker._AsyncRolloutLoop:
+        raise RolloutsUnsupported(
+            f"the rollout worker ({type(worker).__name__}, loop {getattr(worker, '_loop_cls', None)!r}) is not TRL's "
+            "AsyncRolloutWorker with its own loop: lorafleet cannot give its rollouts the run key and the fleet wait"
+        )
+    if not isinstance(getattr(worker, "_loop_kwargs", None), dict):
+        raise RolloutsUnsupported("TRL's rollout worker has no _loop_kwargs: the settings cannot reach its child")
+    if getattr(worker, "_process", None) is not None:
+        raise RolloutsUnsupported("the rollout worker was started before it was wired to the fleet")
+    worker._loop_cls = FleetRolloutLoop
+    worker._loop_kwargs[RUN_KEY_KWARG] = run_key
+    worker._loop_kwargs[FLEET_WAIT_KWARG] = fleet_wait_s
