@@ -427,6 +427,33 @@ def test_a_crashed_replica_restarts_and_resyncs_with_no_client_visible_failure(s
     assert_devices_spread(stack, len(replicas))
 
 
+def test_a_paused_replica_leaves_routing_and_comes_back_with_no_client_visible_failure(stack: Stack) -> None:
+    """`docker pause` freezes a replica: its port accepts, nothing answers. Once its health checks have timed out for
+    PROXY_EJECT_SLOW_AFTER_S it leaves routing and the requests it held are retried on another replica; unpaused, it
+    re-syncs and takes traffic again."""
+    replicas = stack.containers(stack.plan.replica_service)
+    frozen = replicas[0]
+    host = stack.container_ip(frozen["ID"])
+    with Traffic(stack) as traffic:
+        traffic.wait_sent(3)
+        stack.docker("pause", frozen["ID"])
+        try:
+            wait_for(lambda: host not in {url_host(u) for u in stack_plan.ready_urls(fleet(stack))},
+                     "the paused replica out of routing", 300, every_s=0.5)
+            traffic.wait_sent(3)
+        finally:
+            stack.docker("unpause", frozen["ID"])
+
+        def back() -> dict[str, Any] | None:
+            snapshot = all_ready(stack, len(replicas))  # ready only once synced and generating
+            return next((r for r in (snapshot or {}).get("replicas", []) if url_host(r["url"]) == host), None)
+
+        routed = wait_for(back, "the unpaused replica ready and synced", 900)["routed"]
+        wait_for(lambda: (back() or {}).get("routed", 0) > routed, "traffic on the unpaused replica", 600,
+                 every_s=0.5)
+    assert not traffic.failures, f"{len(traffic.failures)} of {traffic.sent} completions failed: {traffic.failures[:3]}"
+
+
 def test_make_down_keeps_the_volumes_and_down_v_removes_everything(stack: Stack) -> None:
     stack.make("down", timeout_s=600)
     left = stack.leftovers()
