@@ -16,6 +16,7 @@ import pytest
 from lorafleet.settings import load_settings
 from lorafleet_proxy.app import create_app
 from lorafleet_testing.fakes import start_fakes, start_server
+from lorafleet_testing.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -48,10 +49,11 @@ async def test_bad_admin_input_is_400_before_the_lock_and_reaches_no_replica(tmp
     proxy = await start_server(create_app(settings))
     try:
         async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
-            for _ in range(250):
-                if (await client.get("/health")).status_code == 200:
-                    break
-                await asyncio.sleep(0.02)
+            async def both_ready() -> bool:  # /health is 200 with one: the slow load must reach replica 0 too
+                view = (await client.get("/fleet")).json()
+                return all(replica["state"] == "ready" for replica in view["replicas"])
+
+            await until(both_ready, "both replicas ready", 30)
             fakes[0].faults.not_found_loads = 10**6  # the load below holds the fleet lock until its deadline
             slow = asyncio.create_task(client.post(LOAD, json={"lora_name": "slow", "lora_path": "runs/r/slow"}))
             while not fakes[0].loads():

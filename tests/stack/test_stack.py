@@ -233,6 +233,17 @@ def every_replica_serves_the_ledger(stack: Stack) -> bool:
     return True
 
 
+def wait_back_in_traffic(stack: Stack, host: str, count: int, what: str) -> None:
+    """Wait until the replica at `host` is ready and synced among `count` ready replicas, then routed to again."""
+
+    def back() -> dict[str, Any] | None:
+        snapshot = all_ready(stack, count)  # ready only once synced and generating
+        return next((r for r in (snapshot or {}).get("replicas", []) if url_host(r["url"]) == host), None)
+
+    routed = wait_for(back, f"{what} ready and synced", 900)["routed"]
+    wait_for(lambda: (back() or {}).get("routed", 0) > routed, f"traffic on {what}", 600, every_s=0.5)
+
+
 def trainer(stack: Stack) -> dict[str, Any]:
     (row,) = stack.containers(stack.plan.trainer_service, all_states=True)
     return stack.inspect(row["ID"])
@@ -416,13 +427,7 @@ def test_a_crashed_replica_restarts_and_resyncs_with_no_client_visible_failure(s
         wait_for(lambda: stack.inspect(victim["ID"])["RestartCount"] > restarts, "Docker restarting it", 120)
         traffic.wait_sent(3)
 
-        def back() -> dict[str, Any] | None:
-            snapshot = all_ready(stack, len(replicas))  # ready only once synced and generating
-            return next((r for r in (snapshot or {}).get("replicas", []) if url_host(r["url"]) == host), None)
-
-        routed = wait_for(back, "the restarted replica ready and synced", 900)["routed"]
-        wait_for(lambda: (back() or {}).get("routed", 0) > routed, "traffic on the restarted replica", 600,
-                 every_s=0.5)
+        wait_back_in_traffic(stack, host, len(replicas), "the restarted replica")
     assert not traffic.failures, f"{len(traffic.failures)} of {traffic.sent} completions failed: {traffic.failures[:3]}"
     assert_devices_spread(stack, len(replicas))
 
@@ -444,13 +449,7 @@ def test_a_paused_replica_leaves_routing_and_comes_back_with_no_client_visible_f
         finally:
             stack.docker("unpause", frozen["ID"])
 
-        def back() -> dict[str, Any] | None:
-            snapshot = all_ready(stack, len(replicas))  # ready only once synced and generating
-            return next((r for r in (snapshot or {}).get("replicas", []) if url_host(r["url"]) == host), None)
-
-        routed = wait_for(back, "the unpaused replica ready and synced", 900)["routed"]
-        wait_for(lambda: (back() or {}).get("routed", 0) > routed, "traffic on the unpaused replica", 600,
-                 every_s=0.5)
+        wait_back_in_traffic(stack, host, len(replicas), "the unpaused replica")
     assert not traffic.failures, f"{len(traffic.failures)} of {traffic.sent} completions failed: {traffic.failures[:3]}"
 
 
