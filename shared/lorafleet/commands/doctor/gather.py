@@ -96,7 +96,8 @@ async def gather_snapshot(settings: Settings, fleet_url: str | None, replica_url
     snapshot = Snapshot(fleet_url=fleet_url.rstrip("/") if fleet_url else None)
     views: dict[str, ReplicaView] = {}
     if snapshot.fleet_url:
-        await _read_proxy(snapshot, views, read_key_file(settings.trainer_run_key_file), http)
+        snapshot.fleet_token = read_key_file(settings.trainer_run_key_file)  # a run's URL on a fleet with run keys
+        await _read_proxy(snapshot, views, snapshot.fleet_token, http)
     else:
         snapshot.proxy_error = "no fleet URL given"
     for url in replica_urls:

@@ -69,6 +69,7 @@ class Snapshot:
     sync_pause: str | None = None  # the proxy's PROXY_SYNC_PAUSE as /fleet reports it; None when it does not
     named_runs: list[str] | None = None  # runs other than the default one in /fleet; None when unknown
     run_keys: list[str] | None = None  # runs with a key when the proxy has run keys; None when off or unknown
+    fleet_token: str = field(default="", repr=False)  # the run's key (TRAINER_RUN_KEY_FILE) the fleet URL is asked with
     ledger: list[tuple[str, str]] | None = None  # (name, path) in load order; None when unknown
     ledger_source: str = ""
     replicas: list[ReplicaView] = field(default_factory=list)

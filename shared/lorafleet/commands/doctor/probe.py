@@ -22,7 +22,6 @@ from lorafleet.commands.doctor.model import ProbeReport, Snapshot
 from lorafleet.commands.doctor.probe_adapter import base_model_config, publish_probe_adapter
 from lorafleet.commands.doctor.via_proxy import ProxiedReplica, generate_through_proxy
 from lorafleet.logs import log_event
-from lorafleet.run_keys import read_key_file
 from lorafleet.runs import BUDGET_ERROR
 from lorafleet.settings import Settings
 from lorafleet.vllm_api import PauseMode, VLLMClient, VLLMError
@@ -44,8 +43,7 @@ async def run_probe(settings: Settings, snapshot: Snapshot, http: httpx.AsyncCli
         report.skipped = "no reachable replica to probe"
         return report
     token = settings.proxy_upstream_token
-    run_key = read_key_file(settings.trainer_run_key_file)  # the fleet URL may be a run's on a fleet with run keys
-    fleet = api_client(snapshot.fleet_url, run_key, http) if snapshot.fleet_url else None
+    fleet = api_client(snapshot.fleet_url, snapshot.fleet_token, http) if snapshot.fleet_url else None
     clients: dict[str, Replica] = {r.url: ProxiedReplica(r.url, fleet) if r.via_proxy and fleet is not None
                                    else api_client(r.url, token, http) for r in replicas}
     proxy = fleet if report.broadcast else None
