@@ -2,14 +2,16 @@
 run key) on the session's real replicas, the proxy's process killed (SIGKILL) mid-training and the fleet left
 unreachable for 60 s before the proxy starts again.
 
-Both trainers wait (their rollouts and control calls retry, logged, within TRAINER_FLEET_WAIT_S) and go on to their
-last step; every step is trained once, in order; the ledger the restarted proxy restored and what every replica
-serves agree. How soon the restarted proxy serves is measured and printed (README, "The proxy gone").
+Both trainers wait (their rollouts and control calls retry, logged, within TRAINER_FLEET_WAIT_S) and train on
+past the outage, then stop cleanly; every step is trained once, in order; the ledger the restarted proxy restored
+and what every replica serves agree. How soon the restarted proxy serves is measured and printed (README, "The
+proxy gone").
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +26,9 @@ from lorafleet.run_keys import provision, write_private
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
 RUNS = ("a", "b")
-STEPS = 10
+STEPS = 10_000  # a bound only: the test stops both runs once each has trained on past the outage
 KILL_AT_STEP = 2
+STEPS_AFTER = 3
 OUTAGE_S = 60.0
 RUN_TIMEOUT_S = 900
 
@@ -53,10 +56,13 @@ def test_two_runs_wait_out_a_killed_proxy_and_a_minute_without_a_fleet(shared_re
     proxy_env = {"RUN_KEYS_DIR": str(root / "run-keys")}
     proxy = start_proxy(shared_replicas, root=root, **proxy_env)
     port = int(proxy.url.rsplit(":", 1)[1])
-    trainers = {run: start_trainer(f"trainer-outage-{run}", root, run, f"{proxy.url}/runs/{run}", MAX_STEPS=STEPS,
-                                   MAX_STALENESS=1, TRAINER_RUN_KEY_FILE=keys[run], TRAINER_FLEET_WAIT_S=300,
-                                   MAX_MODEL_LEN=512, HF_HUB_OFFLINE="1")
-                for run in RUNS}
+    trainers: dict[str, Service] = {}
+    for run in RUNS:  # one after the other: two pre-training doctors probing at once read each other's pauses
+        trainers[run] = start_trainer(f"trainer-outage-{run}", root, run, f"{proxy.url}/runs/{run}", MAX_STEPS=STEPS,
+                                      MAX_STALENESS=1, TRAINER_RUN_KEY_FILE=keys[run], TRAINER_FLEET_WAIT_S=300,
+                                      MAX_MODEL_LEN=512, HF_HUB_OFFLINE="1")
+        wait_for(lambda run=run: "event=doctor_passed" in trainers[run].log_path.read_text(),
+                 f"run {run}'s pre-training doctor", trainers, 300)
     try:
         wait_for(lambda: all(len(steps(root, run)) >= KILL_AT_STEP for run in RUNS), "both runs training", trainers,
                  600)
@@ -74,6 +80,11 @@ def test_two_runs_wait_out_a_killed_proxy_and_a_minute_without_a_fleet(shared_re
             {"outage_s": OUTAGE_S, "healthy_after_start_s": round(healthy_s, 2),
              "first_completion_after_start_s": round(serving_s, 2)}))
         print(f"restarted proxy: healthy {healthy_s:.2f} s, first completion {serving_s:.2f} s after its start")
+        at_restart = {run: len(steps(root, run)) for run in RUNS}
+        wait_for(lambda: all(len(steps(root, run)) >= at_restart[run] + STEPS_AFTER for run in RUNS),
+                 "both runs training after the outage", trainers, RUN_TIMEOUT_S)
+        for trainer in trainers.values():
+            trainer.process.send_signal(signal.SIGTERM)  # a clean stop: checkpoint, exit 0
         codes = {run: trainer.process.wait(timeout=RUN_TIMEOUT_S) for run, trainer in trainers.items()}
     finally:
         for trainer in trainers.values():
@@ -81,7 +92,8 @@ def test_two_runs_wait_out_a_killed_proxy_and_a_minute_without_a_fleet(shared_re
     logs = {run: trainer.log_path.read_text() for run, trainer in trainers.items()}
     assert codes == dict.fromkeys(RUNS, 0), {run: logs[run][-3000:] for run in RUNS if codes[run]}
     for run in RUNS:
-        assert steps(root, run) == list(range(1, STEPS + 1)), f"run {run}: steps {steps(root, run)}"
+        logged = steps(root, run)
+        assert logged == list(range(1, len(logged) + 1)), f"run {run}: steps repeated or skipped: {logged}"
         assert "waiting for the fleet" in logs[run] or "Retrying" in logs[run], f"run {run} did not log its wait"
         assert keys[run].read_text().strip() not in logs[run]
     fleet = httpx.get(proxy.url + "/fleet", timeout=10).json()

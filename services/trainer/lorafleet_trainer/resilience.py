@@ -3,12 +3,13 @@
 TRL 1.16's `VLLMClient` sends each sync call once with plain `requests`: a proxy that is
 restarting (a new image, a crash, `docker compose up` after a config change) refuses the
 connection for a second or two, and that one refusal kills the run in the middle of a sync.
-Rollouts wait for the fleet in fleet_rollouts.py. Here the control calls get the same treatment for the two
-failures that cannot have changed anything: a refused connection never reached the proxy, and the proxy's 503
-means it did nothing (no ready replica yet); sending them again cannot apply a state change twice. Both are
-waited out up to TRAINER_FLEET_WAIT_S. Read errors and other statuses are not retried; TRL's own handling of
-those stays as it is. The same session carries the run key (run_key.py), so
-every control call TRL makes (all of them go through this module's `requests.get/post`) sends it.
+Rollouts wait for the fleet in fleet_rollouts.py. Here the control calls get the same treatment for the
+failures a proxy gone or coming back gives: a refused connection (it never reached the proxy), the proxy's 503
+(it did nothing: no ready replica yet), and a connection lost before any answer (the proxy died with the call in
+flight). Replaying each is safe because every control call TRL makes is idempotent at the proxy: a load of a name
+at the path the ledger already has is a success without a change, pause and resume set a state, and TRL ignores
+the status of an unload. All are waited out up to TRAINER_FLEET_WAIT_S. Other statuses are not retried; TRL's own
+handling of those stays as it is.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ def retries_for(wait_s: float) -> int:
 
 
 def retrying_session(connect_retries: int = CONNECT_RETRIES, backoff_s: float = BACKOFF_S) -> requests.Session:
-    """A Session that re-sends a request only when the connection could not be made or the proxy said 503
-    (urllib3 logs each retry)."""
+    """A Session that re-sends a request when the connection could not be made, was lost before the answer, or the
+    proxy said 503 (urllib3 logs each retry)."""
     retry = Retry(
-        total=None, connect=connect_retries, read=0, status=connect_retries, other=0, redirect=0,
+        total=None, connect=connect_retries, read=connect_retries, status=connect_retries, other=0, redirect=0,
         status_forcelist=RETRY_STATUSES, backoff_factor=backoff_s, backoff_max=RETRY_MAX_S, allowed_methods=None,
         raise_on_status=False,
     )  # fmt: skip

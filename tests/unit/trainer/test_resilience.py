@@ -51,6 +51,34 @@ def test_pause_waits_for_a_restarting_proxy(monkeypatch):
     assert _Pause.calls == ["/pause?mode=keep"]
 
 
+class _DiesOnce(_Pause):
+    """A proxy killed with the call in flight: the first request's connection closes without an answer."""
+
+    died = False
+
+    def do_POST(self) -> None:
+        if not _DiesOnce.died:
+            _DiesOnce.died = True
+            self.close_connection = True
+            return  # no status line: the client reads a connection closed before any answer
+        super().do_POST()
+
+
+def test_a_call_whose_connection_is_lost_before_the_answer_is_sent_again(monkeypatch):
+    from trl.experimental.async_grpo import vllm_client
+
+    monkeypatch.setattr(vllm_client, "requests", vllm_client.requests)  # restored after the test
+    retry_control_calls(retrying_session(connect_retries=3, backoff_s=0.05))
+    server = http.server.HTTPServer(("127.0.0.1", 0), _DiesOnce)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Pause.calls.clear()
+    try:
+        vllm_client.VLLMClient(f"http://127.0.0.1:{server.server_address[1]}").pause()
+    finally:
+        server.shutdown()
+    assert _DiesOnce.died and _Pause.calls == ["/pause?mode=keep"]
+
+
 def test_without_retries_the_same_refusal_is_fatal():
     port = free_port()
     with pytest.raises(requests.ConnectionError):
