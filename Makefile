@@ -35,6 +35,9 @@ PIP_ARGS    ?=
 PYTEST_ARGS ?=
 PROBE       ?=
 DOCTOR_ARGS := $(if $(PROBE),--probe)
+# TASK=tasks/my_task.py (a file in TASKS_DIR, mounted at /tasks in the stack) or a built-in name (math, jsonl, tiny).
+TASKS_DIR ?= tasks
+TASK_IN_STACK = $(if $(filter %.py,$(TASK)),/tasks/$(patsubst $(TASKS_DIR)/%,%,$(patsubst ./%,%,$(TASK))),$(TASK))
 
 # Tests read no .env: a developer's stack settings must not steer them (see LORAFLEET_ENV_FILE in the README).
 TEST_ENV := LORAFLEET_ENV_FILE=
@@ -45,7 +48,7 @@ SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pypr
                 tools/setup_venv.sh tools/vllm_cpu_fixup.sh
 
 # Every target but the stamp file (tests/unit/test_makefile.py checks it).
-.PHONY: help setup unit integration test test-stack test-gpu lint fuzz \
+.PHONY: help setup bench-turns unit integration test test-stack test-gpu lint fuzz \
         bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-canary \
         demo status doctor engine-check build up down scale train run-key logs ps
 
@@ -112,22 +115,26 @@ bench-replica: setup ## CPU replica: vLLM's executor uni (our default) vs mp (vL
 bench-canary: setup ## The agreement canary on 2 real vllm-cpu replicas under traffic: tolerance, false alarms, cost (10 min)
 	$(BIN)/python bench/canary_bench.py --out results/bench-canary.json $(if $(CANARY_SECONDS),--seconds $(CANARY_SECONDS))
 
+bench-turns: setup ## Multi-turn agent episodes on 2 real vllm-cpu replicas: prefix-cache hits from turn 2 per routing mode (~5 min)
+	$(BIN)/python bench/turns_bench.py --out results/bench-turns.json
+
 bench-sync: setup ## Weight-sync benchmark on vllm-cpu (PROXY_SYNC_PAUSE broadcast vs elide); writes results/bench-sync.json
 	$(BIN)/python bench/sync_bench.py --out results/bench-sync.json
 
-demo: setup ## CPU demo: tiny model, 2 replicas, proxy, real trainer; report in results/demo/ (RUNS=2: two runs share it)
-	$(BIN)/lorafleet demo --out results/demo$(if $(RUNS),-runs --runs $(RUNS))
+demo: setup ## CPU demo: tiny model, 2 replicas, proxy, real trainer; report in results/demo/ (RUNS=2: two runs; TASK=file)
+	$(BIN)/lorafleet demo --out results/demo$(if $(RUNS),-runs --runs $(RUNS))$(if $(TASK),-$(basename $(notdir $(TASK))) --task $(TASK))
 
 status: ## Readable table of the running fleet (the proxy's /fleet)
 	@if [ -n "$$($(COMPOSE) ps -q proxy 2>/dev/null)" ]; then $(COMPOSE) exec proxy lorafleet status; else $(BIN)/lorafleet status; fi
 
-doctor: ## Preflight checklist against the running fleet (PASS/WARN/FAIL); PROBE=1 probes a training fleet too
+doctor: ## Preflight checklist against the running fleet (PASS/WARN/FAIL); PROBE=1 probes a training fleet; TASK=file checks a task
 	@# In the stack it is the one-shot `doctor` service (`doctor-cpu` with CPU=1): on the fleet port's network and
 	@# the replicas', with vLLM's key, allowed to write the probe adapter. Without a stack, the local venv's doctor.
 	@# The probe pauses the fleet and takes a LoRA slot: the doctor skips it on a training fleet unless PROBE=1.
 	@if [ -n "$$($(COMPOSE) ps -q proxy 2>/dev/null)" ]; then \
-	$(PROFILE_ENV) $(COMPOSE) --profile $(DOCTOR_SVC) run --rm --no-deps $(DOCTOR_SVC) $(DOCTOR_ARGS); \
-	else $(BIN)/lorafleet doctor $(DOCTOR_ARGS); fi
+	$(PROFILE_ENV) $(COMPOSE) --profile $(DOCTOR_SVC) run --rm --no-deps $(DOCTOR_SVC) $(DOCTOR_ARGS) \
+	$(if $(TASK),--task $(TASK_IN_STACK)); \
+	else $(BIN)/lorafleet doctor $(DOCTOR_ARGS) $(if $(TASK),--task $(TASK)); fi
 
 engine-check:
 	@bash tools/engine.sh check
@@ -147,13 +154,14 @@ scale: engine-check ## Change the replica count: make scale N=3 [CPU=1]
 	@test -n "$(N)" || { echo "usage: make scale N=<replicas>"; exit 2; }
 	$(PROFILE_ENV) $(COMPOSE) up -d --wait --no-recreate --scale $(REPLICA_SVC)=$(N) $(REPLICA_SVC) proxy
 
-train: ## One more training run on the running stack: make train RUN=b [CPU=1] (its own run and run key)
+train: ## One more training run on the running stack: make train RUN=b [TASK=tasks/my_task.py] [CPU=1] (own run and key)
 	@test -n "$(RUN)" || { echo "usage: make train RUN=<run name> (letters, digits, single . _ -)"; exit 2; }
 	@test -s $(RUN_KEY_FILES)/$(RUN).key || $(RUN_KEY) $(RUN) --dir $(RUN_KEYS) --key-file $(RUN_KEY_FILES)/$(RUN).key
 	$(PROFILE_ENV) $(COMPOSE) run -d --no-deps --name lorafleet-train-$(RUN) -e RUN_NAME=$(RUN) \
 		-e TRAINER_VLLM_URL=http://proxy:$${PROXY_PORT:-8000}/runs/$(RUN) \
 		-v $(abspath $(RUN_KEY_FILES))/$(RUN).key:/run/secrets/lorafleet-run-key:ro \
-		-e TRAINER_RUN_KEY_FILE=/run/secrets/lorafleet-run-key $(TRAINER_SVC)
+		-e TRAINER_RUN_KEY_FILE=/run/secrets/lorafleet-run-key $(if $(TASK),-e TRAINER_TASK=$(TASK_IN_STACK)) \
+		$(TRAINER_SVC)
 
 run-key: ## Make run RUN's key for the stack (run-keys/hashes for the proxy, run-keys/keys/RUN.key); ROTATE=1 replaces it
 	@test -n "$(RUN)" || { echo "usage: make run-key RUN=<run name> [ROTATE=1]"; exit 2; }

@@ -40,7 +40,7 @@ def trainer_env(workload: dict[str, Any], url: str, work: Path, run: str, args: 
     paths = [str(HERE / "standin_site"), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": ":".join(p for p in paths if p), "LORAFLEET_BENCH_STANDIN": "1",
            "LORAFLEET_ENV_FILE": "", "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONUNBUFFERED": "1",
-           "TRAINER_RECIPE": "math", "BASE_MODEL": workload["model_dir"], "DATASET_PATH": workload["dataset"],
+           "TRAINER_TASK": "math", "BASE_MODEL": workload["model_dir"], "DATASET_PATH": workload["dataset"],
            "ADAPTER_ROOT": str(work / "adapters"), "RUN_NAME": run, "TRAINER_VLLM_URL": url,
            "TRAINER_REPLICAS": "1", "MAX_STEPS": str(args.steps), "SAVE_STEPS": "100000",
            "TOKEN_BUDGET": str(args.token_budget), "GRADIENT_ACCUMULATION_STEPS": str(args.accumulation),

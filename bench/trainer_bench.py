@@ -386,7 +386,7 @@ def run_one(config: BenchConfig, workload: dict[str, Any], url: str, work: Path,
     async_rollout_worker.is_vllm_available = lambda *_: True
     steps = config.warmup_steps + config.timed_steps + (1 if config.profiled else 0)
     overrides = {
-        "trainer_recipe": "math", "base_model": workload["model_dir"], "dataset_path": workload["dataset"],
+        "trainer_task": "math", "base_model": workload["model_dir"], "dataset_path": workload["dataset"],
         "adapter_root": str(work / "adapters"), "run_name": config.name, "trainer_vllm_url": url,
         "trainer_replicas": 1, "max_steps": steps, "save_steps": 100_000, "trainer_resume": False,
         "trainer_metrics_port": 0, "trainer_report_to": "none", **config.settings(),

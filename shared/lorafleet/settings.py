@@ -33,7 +33,10 @@ RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 AUTO_CPU_SETS = "auto"
 SECRET_FIELDS = frozenset({"proxy_api_key", "proxy_upstream_token"})
 # Variables that no longer exist, and what replaces them: refused at start rather than silently ignored.
-RENAMED = {"PROXY_HOST": "PROXY_FLEET_HOST and PROXY_PUBLIC_HOST (one bind address per port)"}
+RENAMED = {
+    "PROXY_HOST": "PROXY_FLEET_HOST and PROXY_PUBLIC_HOST (one bind address per port)",
+    "TRAINER_RECIPE": "TRAINER_TASK (the same names: math, jsonl, tiny; or a task file)",
+}
 
 
 class ConfigError(ValueError):
@@ -217,8 +220,22 @@ class Settings(BaseSettings):
     )
 
     # --- trainer ----------------------------------------------------------------------------
-    trainer_recipe: Literal["math", "tiny", "jsonl"] = Field(
-        "math", description="math: the published MATH recipe; tiny: offline tiny model task; jsonl: DATASET_PATH."
+    trainer_task: str = Field(
+        "math", min_length=1, description="What to train: a built-in task (math: the published MATH run; jsonl: "
+        "DATASET_PATH; tiny: the offline tiny model's task), a task file (path to a .py) or an importable module "
+        "(README 'Your own task').",
+    )
+    task_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds one call of the task's code (a reward function over a group, one tool "
+        "call) may take: a slower call is abandoned, scored as None (TRL leaves it out) or answered with an error.",
+    )
+    eval_every_steps: int = Field(
+        10, ge=0, description="Score the task's eval set with the current adapter every this many steps (greedy, "
+        "through the fleet, never pausing training); 0 = never.",
+    )
+    trainer_pin_episodes: bool = Field(
+        True, description="Multi-turn rollouts: every turn of an episode uses the adapter version its first turn "
+        "used (while the fleet still serves it); false = TRL's default, each turn takes the newest version.",
     )
     dataset_path: str = Field(
         "", description="Local JSONL/Parquet file (problem, solution): jsonl's data, or math's set offline."

@@ -40,7 +40,7 @@ def test_cpu_profile_defaults_are_stated_next_to_the_profile() -> None:
     text = ENV_EXAMPLE.read_text()
     comment = text[: text.index("\nCOMPOSE_PROFILES=")].rsplit("\n\n", 1)[-1]
     defaults = cpu_profile_defaults()
-    assert set(defaults) == {"BASE_MODEL", "MAX_MODEL_LEN", "VLLM_DTYPE", "TRAINER_RECIPE"}, defaults
+    assert set(defaults) == {"BASE_MODEL", "MAX_MODEL_LEN", "VLLM_DTYPE", "TRAINER_TASK"}, defaults
     assert "tiny model" in comment and "BASE_MODEL" in comment, comment
     for name, value in defaults.items():
         if name != "BASE_MODEL":

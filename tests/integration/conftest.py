@@ -141,7 +141,7 @@ def start_trainer(tiny_model: Path, log_dir: Path) -> Callable[..., Service]:
     """
 
     def start(name: str, root: Path, run: str, proxy_url: str, **settings: object) -> Service:
-        env = {"TRAINER_RECIPE": "tiny", "BASE_MODEL": str(tiny_model), "ADAPTER_ROOT": str(root), "RUN_NAME": run,
+        env = {"TRAINER_TASK": "tiny", "BASE_MODEL": str(tiny_model), "ADAPTER_ROOT": str(root), "RUN_NAME": run,
                "TRAINER_VLLM_URL": proxy_url, **{key: str(value) for key, value in settings.items()}}
         return trainer_service(name, env, log_dir).start()
 

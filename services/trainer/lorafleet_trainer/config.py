@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorafleet.lora import build_lora_config
-from lorafleet.settings import Settings
+from lorafleet.settings import ConfigError, Settings
 
 from lorafleet_trainer.ranks import RankPlan
 
@@ -108,8 +108,10 @@ def inflight_tasks(settings: Settings, replicas: int) -> int:
     return settings.max_inflight_per_replica * max(replicas, 1)
 
 
-def build_configs(settings: Settings, *, replicas: int, ranks: RankPlan) -> TrainerConfigs:
-    """AsyncGRPOConfig + LoraConfig for `settings`, with output_dir = <ADAPTER_ROOT>/runs/<RUN_NAME>."""
+def build_configs(settings: Settings, *, replicas: int, ranks: RankPlan,
+                  trl_args: dict[str, Any] | None = None) -> TrainerConfigs:
+    """AsyncGRPOConfig + LoraConfig for `settings`, with output_dir = <ADAPTER_ROOT>/runs/<RUN_NAME>, plus the
+    task's `trl_args` (AsyncGRPOConfig fields lorafleet has no setting for)."""
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
     cuda = ranks.device == "cuda"
@@ -117,7 +119,7 @@ def build_configs(settings: Settings, *, replicas: int, ranks: RankPlan) -> Trai
     inflight = inflight_tasks(settings, replicas)
     report_to = [item.strip() for item in settings.trainer_report_to.split(",") if item.strip()] or ["none"]
     bf16 = use_bf16(settings, cuda)
-    grpo = AsyncGRPOConfig(
+    fields = dict(
         output_dir=str(settings.run_dir),
         vllm_server_base_url=settings.trainer_vllm_url.rstrip("/"),
         vllm_server_timeout=settings.trainer_server_timeout_s,
@@ -147,6 +149,11 @@ def build_configs(settings: Settings, *, replicas: int, ranks: RankPlan) -> Trai
         disable_tqdm=True,
         **sharding_args(ranks),
     )
+    clash = sorted(set(trl_args or {}) & set(fields))
+    if clash:
+        raise ConfigError(f"the task's trl_args set {', '.join(clash)}, which lorafleet sets from its settings: set "
+                          "those in the task's `defaults` (lorafleet setting names) instead")
+    grpo = AsyncGRPOConfig(**fields, **(trl_args or {}))
     return TrainerConfigs(grpo=grpo, lora=build_lora_config(settings), replicas=replicas, ranks=ranks)
 
 

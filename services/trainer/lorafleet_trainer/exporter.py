@@ -38,7 +38,13 @@ GAUGES = {
     "sample/staleness_max": ("lorafleet_trainer_staleness_max_versions",
                              "Largest policy-version lag of a trained sample (last window)."),
     "sample/rollout_queue_size": ("lorafleet_trainer_rollout_queue_samples", "Scored rollouts waiting to train."),
+    "eval/pass_at_1": ("lorafleet_trainer_eval_pass_at_1",
+                       "Share of the task's eval set whose greedy reward reached its pass threshold (last eval)."),
+    "eval/reward": ("lorafleet_trainer_eval_reward", "Mean greedy reward over the task's eval set (last eval)."),
+    "eval/model_version": ("lorafleet_trainer_eval_policy_version", "Policy version the last eval scored."),
 }
+EVAL_BY_FUNCTION = "eval/rewards/"  # eval/rewards/<function>: one labelled gauge
+TRAIN_BY_FUNCTION = "rewards/"  # TRL's rewards/<function>: the window's mean
 # TRL's logged key -> (histogram name, help): one observation per logged window.
 DURATIONS = {
     "perf/step_s": ("lorafleet_trainer_step_duration_seconds", "Wall-clock time of one optimizer step."),
@@ -47,6 +53,11 @@ DURATIONS = {
     "perf/rollout_wait_s": ("lorafleet_trainer_rollout_wait_duration_seconds",
                             "Time a step waited for rollouts (generation-bound when high)."),
 }
+
+
+def _function(key: str, prefix: str) -> str | None:
+    """The reward function a per-function key is about (None when it is not one of `prefix`'s)."""
+    return key[len(prefix):] or None if key.startswith(prefix) else None
 
 
 class TrainerMetrics(Collector):
@@ -68,7 +79,8 @@ class TrainerMetrics(Collector):
         """One logged window (transformers' `logs` dict) at optimizer step `step`."""
         numbers = {key: float(value) for key, value in logs.items()
                    if isinstance(value, int | float) and math.isfinite(value)}
-        self.values.update({key: value for key, value in numbers.items() if key in GAUGES})
+        self.values.update({key: value for key, value in numbers.items() if key in GAUGES
+                            or key.startswith((EVAL_BY_FUNCTION, TRAIN_BY_FUNCTION))})
         for key, histogram in self.durations.items():
             if key in numbers:
                 histogram.observe(numbers[key])
@@ -86,6 +98,17 @@ class TrainerMetrics(Collector):
         for key, (name, doc) in GAUGES.items():
             if key in self.values:
                 yield GaugeMetricFamily(name, doc, value=self.values[key])
+        for prefix, name, doc in (
+            (EVAL_BY_FUNCTION, "lorafleet_trainer_eval_reward_by_function", "Mean greedy eval reward of one function."),
+            (TRAIN_BY_FUNCTION, "lorafleet_trainer_reward_by_function", "Mean training reward of one function."),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=["function"])
+            for key, value in sorted(self.values.items()):
+                function = _function(key, prefix)
+                if function:
+                    family.add_metric([function], value)
+            if family.samples:
+                yield family
         if self.step is not None:
             yield GaugeMetricFamily("lorafleet_trainer_step", "Optimizer step of the last log.", value=self.step)
         version = self.published_version()

@@ -11,7 +11,9 @@ becomes `FleetRolloutLoop` (pickled by reference: the child imports it from this
   `self.session`, so every request on it carries the key and TRL's own code runs unchanged;
 - a completion that cannot reach the fleet (refused, reset, timed out, a 5xx, a 408/429) is retried every
   `RETRY_MAX_S` at most until TRAINER_FLEET_WAIT_S has passed since its first failure, each retry logged with the
-  time waited; other 4xx answers are final (a retry cannot mend a refused key or a bad request).
+  time waited; other 4xx answers are final (a retry cannot mend a refused key or a bad request);
+- the task's rewards, tools and environments run guarded (tasks/guards.py: TASK_TIMEOUT_S, faults counted);
+- each multi-turn episode asks for the adapter version episodes.py chooses (TRAINER_PIN_EPISODES).
 
 TRL's private names are checked at start: a TRL without them refuses to start (a config error) rather than sending
 no key or giving up early. A module of its own because it imports TRL's rollout worker at load time.
@@ -27,15 +29,20 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
-from lorafleet.settings import ConfigError
+from lorafleet.settings import ConfigError, Settings
 from trl.experimental.async_grpo import async_rollout_worker as trl_worker
 
+from lorafleet_trainer.episodes import CURRENT, MIXED_METRIC, Episode
 from lorafleet_trainer.run_key import bearer
+from lorafleet_trainer.tasks.guards import FaultLog, guard_environment, guard_reward, guard_tool
 
 log = logging.getLogger("lorafleet_trainer.rollouts")  # not TRL's: accelerate's logger raises before PartialState()
 
 RUN_KEY_KWARG = "run_key"  # the loop kwargs that carry our settings into the child
 FLEET_WAIT_KWARG = "fleet_wait_s"
+TASK_TIMEOUT_KWARG = "task_timeout_s"
+PIN_EPISODES_KWARG = "pin_episodes"
+MAX_STALENESS_KWARG = "max_staleness"
 RETRY_MAX_S = 5.0  # back on the fleet within seconds of its return
 RETRY_STATUSES = frozenset({408, 429})  # the 4xx answers that say "later", not "no"
 COMPLETIONS_LABEL = "vllm /v1/completions"  # TRL's label of its outer, per-completion retry
@@ -56,12 +63,56 @@ def retryable(exc: BaseException) -> bool:
 
 
 class FleetRolloutLoop(_TRL_LOOP):
-    """TRL's rollout loop whose session sends the run key and whose completions wait for the fleet (in the child)."""
+    """TRL's rollout loop whose session sends the run key, whose completions wait for the fleet, whose task code
+    runs guarded and whose episodes keep their adapter version (in the child)."""
 
-    def __init__(self, *, run_key: str = "", fleet_wait_s: float = 600.0, **loop_kwargs: Any) -> None:
+    def __init__(self, *, run_key: str = "", fleet_wait_s: float = 600.0, task_timeout_s: float = 60.0,
+                 pin_episodes: bool = True, max_staleness: int = 4, **loop_kwargs: Any) -> None:
         self._run_key = run_key  # before TRL's __init__, which assigns self.session
         self._fleet_wait_s = fleet_wait_s
-        super().__init__(**loop_kwargs)
+        self._task_timeout_s = task_timeout_s
+        self._pin_episodes = pin_episodes
+        self._max_staleness = max_staleness
+        self._faults = FaultLog()
+        super().__init__(**loop_kwargs)  # probes one instance of each environment: guarded below
+        self.reward_funcs = [guard_reward(func, name, task_timeout_s, self._faults)
+                             for func, name in zip(self.reward_funcs, self.reward_func_names, strict=False)]
+        if self.environment_factories is not None:
+            for instances in self._environment_pool.values():
+                for instance in instances:
+                    guard_environment(instance, task_timeout_s, self._faults)
+            self.environment_factories = {name: _GuardedFactory(factory, task_timeout_s, self._faults)
+                                          for name, factory in self.environment_factories.items()}
+
+    @property
+    def _request_model(self) -> str:
+        """The adapter this turn decodes with: the episode's (episodes.py), not always the newest."""
+        if self.lora_name is None:
+            return self.model_name
+        episode = CURRENT.get()
+        version = self.model_version
+        if episode is not None:
+            version = episode.version_for(version, pin=self._pin_episodes, max_staleness=self._max_staleness)
+        return f"{self.lora_name}-v{version}"
+
+    async def _generate_one(self, prompt: Any, tool_dict: dict[str, Callable[..., Any]], tools: list[Any],
+                            group_id: int = 0) -> Any:
+        episode = Episode()
+        CURRENT.set(episode)  # this rollout's own task: the context is its copy
+        result = await super()._generate_one(prompt, tool_dict=tool_dict, tools=tools, group_id=group_id)
+        if episode.multi_turn:
+            self._rates[MIXED_METRIC][0] += episode.mixed
+            self._rates[MIXED_METRIC][1] += 1
+        return result
+
+    async def _execute_tool_calls(self, tool_calls: list[dict[str, Any]],
+                                  tool_dict: dict[str, Callable[..., Any]]) -> Any:
+        bounded = {name: guard_tool(tool, name, self._task_timeout_s, self._faults) for name, tool in tool_dict.items()}
+        return await super()._execute_tool_calls(tool_calls, bounded)
+
+    def _push_metrics(self, values: dict[str, Any]) -> None:
+        self._faults.drain(self._counters)
+        super()._push_metrics(values)
 
     @property
     def session(self) -> Any:
@@ -101,6 +152,16 @@ class FleetRolloutLoop(_TRL_LOOP):
                 await asyncio.sleep(sleep)
 
 
+class _GuardedFactory:
+    """An environment factory whose instances are guarded (guard_environment)."""
+
+    def __init__(self, factory: Callable[[], Any], timeout_s: float, faults: FaultLog) -> None:
+        self.factory, self.timeout_s, self.faults = factory, timeout_s, faults
+
+    def __call__(self) -> Any:
+        return guard_environment(self.factory(), self.timeout_s, self.faults)
+
+
 def _uses(function: Any, text: str) -> bool:
     try:
         return text in inspect.getsource(function)
@@ -128,10 +189,10 @@ def check_rollout_hooks() -> None:
         )
 
 
-def wire_rollouts(trainer: Any, run_key: str, fleet_wait_s: float) -> None:
-    """Make the rollout child that `trainer` spawns at train begin send `run_key` ("" = none) and wait up to
-    `fleet_wait_s` for the fleet. Call it after the trainer is built and before `trainer.train()` (TRL starts the
-    worker in on_train_begin)."""
+def wire_rollouts(trainer: Any, run_key: str, settings: Settings) -> None:
+    """Make the rollout child that `trainer` spawns at train begin send `run_key` ("" = none), wait up to
+    TRAINER_FLEET_WAIT_S for the fleet, guard the task's code and pin episodes as `settings` say. Call it after the
+    trainer is built and before `trainer.train()` (TRL starts the worker in on_train_begin)."""
     worker = getattr(trainer, "rollout_worker", None)
     if worker is None:
         if trainer.accelerator.is_main_process:  # TRL builds the worker on rank 0 only
@@ -148,4 +209,7 @@ def wire_rollouts(trainer: Any, run_key: str, fleet_wait_s: float) -> None:
         raise RolloutsUnsupported("the rollout worker was started before it was wired to the fleet")
     worker._loop_cls = FleetRolloutLoop
     worker._loop_kwargs[RUN_KEY_KWARG] = run_key
-    worker._loop_kwargs[FLEET_WAIT_KWARG] = fleet_wait_s
+    worker._loop_kwargs[FLEET_WAIT_KWARG] = settings.trainer_fleet_wait_s
+    worker._loop_kwargs[TASK_TIMEOUT_KWARG] = settings.task_timeout_s
+    worker._loop_kwargs[PIN_EPISODES_KWARG] = settings.trainer_pin_episodes
+    worker._loop_kwargs[MAX_STALENESS_KWARG] = settings.max_staleness

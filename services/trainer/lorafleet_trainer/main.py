@@ -1,9 +1,10 @@
 """`lorafleet-train`: TRL's AsyncGRPOTrainer with a LoRA adapter, synced adapter-only to the fleet.
 
 Settings come from the environment (and .env) like every lorafleet service; each trainer setting
-also has a flag (`--learning-rate 1e-4` = LEARNING_RATE=1e-4, flags win). The recipe's defaults
-fill only what nobody set. Order of work: settings -> fleet size -> configs (printed) -> preflight
-(refuse what cannot serve adapter-only sync, or too little free disk) -> sweep stale policy names ->
+also has a flag (`--learning-rate 1e-4` = LEARNING_RATE=1e-4, flags win). The task's defaults
+fill only what nobody set. Order of work: settings -> the task, built and checked (tasks/) -> fleet size ->
+configs (printed) -> preflight (refuse what cannot serve adapter-only sync, or too little free disk) -> sweep
+stale policy names ->
 train (resuming from the newest checkpoint) -> export <run>/final-adapter. A signal, RUN_MAX_STEPS,
 RUN_MAX_WALL_S or low disk ends training early with a checkpoint and exit 0 (lifecycle.py).
 With several ranks (TRAINER_GPUS, TRAINER_RANKS) this process launches them and each runs the above;
@@ -36,25 +37,27 @@ from lorafleet_trainer.ranks import (
     plan_for,
     select_gpus,
 )
-from lorafleet_trainer.recipes import RECIPES
 from lorafleet_trainer.run_key import read_run_key
+from lorafleet_trainer.tasks.loader import read_task_settings
 
 if TYPE_CHECKING:
     from lorafleet_trainer.config import TrainerConfigs
     from lorafleet_trainer.fast_step import StepOptions
     from lorafleet_trainer.lifecycle import RunLifecycle
+    from lorafleet_trainer.tasks.spec import Task
 
 log = logging.getLogger("lorafleet_trainer")
 
 # Settings a flag can override: every trainer knob plus the shared ones the trainer reads.
 FLAG_FIELDS = (
-    "trainer_recipe", "base_model", "dataset_path", "adapter_root", "run_name", "trainer_vllm_url", "trainer_replicas",
+    "trainer_task", "base_model", "dataset_path", "adapter_root", "run_name", "trainer_vllm_url", "trainer_replicas",
     "lora_rank", "lora_alpha", "learning_rate", "num_generations", "max_completion_length", "temperature",
     "token_budget", "train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
     "max_inflight_per_replica", "queue_maxsize", "max_staleness", "weight_sync_steps", "max_steps", "save_steps",
     "seed", "trainer_precision", "trainer_resume", "trainer_report_to", "trainer_attention", "trainer_cpu_threads",
     "trainer_server_timeout_s", "log_level", "checkpoint_keep", "run_max_steps", "run_max_wall_s",
     "trainer_min_free_gb", "trainer_gpus", "trainer_ranks", "trainer_sharding", "trainer_fast_step",
+    "task_timeout_s", "eval_every_steps", "trainer_pin_episodes",
 )
 EXIT_CONFIG = 2
 EXIT_PREFLIGHT = 3
@@ -73,13 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_settings(overrides: dict[str, Any]) -> Settings:
-    """Settings from env + flags, then the recipe's defaults for whatever nobody set."""
+    """Settings from env + flags, then the task's defaults for whatever nobody set."""
     settings = load_settings(**overrides)
-    recipe = RECIPES[settings.trainer_recipe]
-    unset = {key: value for key, value in recipe.defaults.items() if key not in settings.model_fields_set}
+    task, _ = read_task_settings(settings.trainer_task)
+    unset = {key: value for key, value in task.defaults.items() if key not in settings.model_fields_set}
     if unset:
         settings = load_settings(**overrides, **unset)
-    recipe.check(settings)
     return settings
 
 
@@ -90,12 +92,14 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
     """
     from lorafleet_trainer.attention import UnsupportedAttention, choose_backend
     from lorafleet_trainer.config import build_configs
+    from lorafleet_trainer.evaluation import eval_callbacks
     from lorafleet_trainer.exporter import exporter_callbacks
     from lorafleet_trainer.fleet import PreflightError, fleet_size, prepare_fleet
     from lorafleet_trainer.fleet_rollouts import check_rollout_hooks, wire_rollouts
     from lorafleet_trainer.lifecycle import Limits, RunLifecycle, shield_rollout_worker
     from lorafleet_trainer.resilience import retry_control_calls
     from lorafleet_trainer.run_state import MetricsJsonl, check_resumable, newest_checkpoint
+    from lorafleet_trainer.tasks.checks import prepare_task
 
     lifecycle = RunLifecycle(Limits.from_settings(settings))  # RUN_MAX_WALL_S counts from here
     if not dry_run and (low_disk := lifecycle.low_disk()):
@@ -112,6 +116,11 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
     check_rollout_hooks()  # a TRL whose rollouts could not send the key or wait for the fleet: a config error, here
     if run_key and main_rank:
         log_event(log, "run_key_used", file=settings.trainer_run_key_file)  # never the key itself
+    task = None
+    if not dry_run:  # built and checked before the fleet is asked anything: a broken task changes nothing there
+        task, _ = prepare_task(settings)
+        if main_rank:
+            log_event(log, "task_ready", **task.summary())
     try:
         replicas = settings.trainer_replicas or (
             1 if dry_run or not main_rank else asyncio.run(fleet_size(settings, run_key=run_key))
@@ -119,7 +128,8 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
     except (PreflightError, VLLMError) as exc:
         log_event(log, "refused", logging.ERROR, reason=str(exc))
         return EXIT_PREFLIGHT
-    configs = build_configs(settings, replicas=replicas, ranks=plan)
+    task_settings = task.settings if task else read_task_settings(settings.trainer_task)[0]
+    configs = build_configs(settings, replicas=replicas, ranks=plan, trl_args=task_settings.trl_args)
     checkpoint = newest_checkpoint(settings.run_dir) if settings.trainer_resume else None
     if checkpoint:
         check_resumable(checkpoint, fsdp2=plan.sharding == "fsdp2")
@@ -135,7 +145,7 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
     }
     if main_rank:
         log_event(
-            log, "effective_config", recipe=settings.trainer_recipe, base_model=settings.base_model, **runtime,
+            log, "effective_config", task=settings.trainer_task, base_model=settings.base_model, **runtime,
             **configs.summary(),
         )
     if dry_run:
@@ -155,10 +165,13 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
             log, "resuming", checkpoint=checkpoint.path, step=checkpoint.step, model_version=checkpoint.model_version
         )
 
-    trainer = build_trainer(settings, configs, [MetricsJsonl(settings.metrics_path), lifecycle,
-                                                *exporter_callbacks(settings)])
+    evaluation = eval_callbacks(task, settings, run_key, main_rank)  # first: its result joins the step's log
+    trainer = build_trainer(settings, configs, [*evaluation, MetricsJsonl(settings.metrics_path), lifecycle,
+                                                *exporter_callbacks(settings)], task=task)
+    for callback in evaluation:
+        callback.bind(trainer)
     shield_rollout_worker(trainer, lifecycle)
-    wire_rollouts(trainer, run_key, settings.trainer_fleet_wait_s)  # before train(): TRL spawns the child then
+    wire_rollouts(trainer, run_key, settings)  # before train(): TRL spawns the child then
     return run_until_stopped(trainer, lifecycle, checkpoint.path if checkpoint else None)
 
 
@@ -173,8 +186,9 @@ def install_kernels(settings: Settings, backend: str, *, cuda: bool) -> None:
 
 
 def build_trainer(settings: Settings, configs: TrainerConfigs, callbacks: list[Any],
-                  step: StepOptions | None = None) -> Any:
-    """TRL's AsyncGRPOTrainer as lorafleet-train runs it: the recipe's data and rewards, LoRA, a bounded score queue,
+                  step: StepOptions | None = None, task: Task | None = None) -> Any:
+    """TRL's AsyncGRPOTrainer as lorafleet-train runs it: the task's data, rewards and tools (`task`, else
+    TRAINER_TASK's, prepared here), LoRA, a bounded score queue,
     and the fast step (fast_step.py) where TRAINER_FAST_STEP resolves to it (`step` overrides, for the benchmark).
 
     Shared with the trainer benchmark (bench/trainer_bench.py), which times this very object.
@@ -202,15 +216,17 @@ def build_trainer(settings: Settings, configs: TrainerConfigs, callbacks: list[A
         from lorafleet_trainer.fast_trainer import FastStepTrainer
 
         trainer_class = FastStepTrainer
-    tokenizer, dataset, rewards = RECIPES[settings.trainer_recipe].build(settings)
+    if task is None:
+        from lorafleet_trainer.tasks.checks import prepare_task
+
+        task, _ = prepare_task(settings)
     trainer = trainer_class(
         model=settings.base_model,
-        reward_funcs=rewards,
         args=configs.grpo,
-        train_dataset=dataset,
-        processing_class=tokenizer,
+        processing_class=task.tokenizer,
         peft_config=configs.lora,
         callbacks=callbacks,
+        **task.trainer_kwargs(),
     )
     trainer.remove_callback(PrinterCallback)  # MetricsJsonl logs each step as one structured line instead
     bound_score_queue(trainer, score_queue_groups(configs.grpo.queue_maxsize, configs.grpo.num_generations))

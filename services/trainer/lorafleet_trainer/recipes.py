@@ -1,29 +1,17 @@
-"""Recipes: what to train on, how to score it, and the defaults that make each one work.
+"""The data and the tokenizer the built-in tasks (tasks/builtin) are made of: MATH rows, local files, the tiny task.
 
-- `math`: the published run, Qwen2.5-Math-1.5B on sail/Sanity-Test-R1D-1.5B (1,460 MATH problems),
-  reward = last `\\boxed{}` vs the gold answer (normalised, math-verify fallback), 0 when truncated.
-  With DATASET_PATH set it reads a local copy of the set instead of the Hub (offline boxes).
-- `jsonl`: the same task on a local JSONL/Parquet file (DATASET_PATH) with problem/solution columns.
-- `tiny`: the offline tiny model (`lorafleet make-tiny-model`) on a synthetic task whose reward a
-  rank-1 adapter raises within minutes on 2 CPU cores (see `tiny_targets`).
-
-A recipe's `defaults` apply only to settings nobody set (env, .env or flag).
+`load_tokenizer` serves every task: it teaches TRL to parse replies of ChatML templates it does not know.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lorafleet.settings import ConfigError, Settings
-from lorafleet.tiny import MODEL_MARKER, WORDS
-
-from lorafleet_trainer.rewards import boxed_answer_reward, target_token_reward
+from lorafleet.settings import ConfigError
+from lorafleet.tiny import WORDS
 
 MATH_DATASET = "sail/Sanity-Test-R1D-1.5B"
 MATH_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -64,7 +52,7 @@ def load_local_dataset(path: str) -> Any:
     from datasets import load_dataset
 
     if not path:
-        raise ConfigError("DATASET_PATH: required by TRAINER_RECIPE=jsonl (a .jsonl or .parquet file)")
+        raise ConfigError("DATASET_PATH: required by TRAINER_TASK=jsonl (a .jsonl or .parquet file)")
     location = Path(path)
     if not location.exists():
         raise ConfigError(f"DATASET_PATH: {path} does not exist")
@@ -130,67 +118,3 @@ def tiny_dataset(target_ids: list[int], prompts: int = TINY_PROMPTS, seed: int =
             "target_ids": [target_ids] * prompts,
         }
     )
-
-
-@dataclass(frozen=True)
-class Recipe:
-    name: str
-    defaults: dict[str, Any] = field(default_factory=dict)
-
-    def check(self, settings: Settings) -> None:
-        """Refuse settings the recipe cannot run with, naming the variable."""
-        if self.name == "tiny":
-            marker = Path(settings.base_model) / MODEL_MARKER
-            if not marker.exists():
-                raise ConfigError(
-                    f"BASE_MODEL: TRAINER_RECIPE=tiny needs a model built by `lorafleet make-tiny-model DIR` "
-                    f"({marker} not found)"
-                )
-            try:
-                json.loads(marker.read_text())
-            except ValueError:
-                raise ConfigError(
-                    f"BASE_MODEL: {marker} is corrupt; rebuild the model with `lorafleet make-tiny-model DIR`"
-                ) from None
-
-    def build(self, settings: Settings) -> tuple[Any, Any, list[Callable[..., list[float]]]]:
-        """(tokenizer, train_dataset, reward_funcs) for this recipe."""
-        tokenizer = load_tokenizer(settings.base_model)
-        if self.name == "tiny":
-            return tokenizer, tiny_dataset(tiny_targets(settings.base_model, tokenizer), seed=settings.seed), [
-                target_token_reward
-            ]
-        if self.name == "jsonl" or settings.dataset_path:
-            dataset = to_prompt_rows(load_local_dataset(settings.dataset_path), settings.dataset_path)
-        else:
-            from datasets import load_dataset
-
-            dataset = to_prompt_rows(load_dataset(MATH_DATASET, split="train"), MATH_DATASET)
-        reward = functools.partial(boxed_answer_reward, max_completion_length=settings.max_completion_length)
-        return tokenizer, dataset, [reward]
-
-
-RECIPES: dict[str, Recipe] = {
-    "math": Recipe("math"),
-    "jsonl": Recipe("jsonl"),
-    # Small and fast on 2 CPU cores: 4 groups of 8 rollouts of 4 tokens per step (short completions keep
-    # GRPO's per-completion credit close to per-token), a sync every step, a short queue so samples
-    # stay fresh, a learning rate a rank-1 adapter moves visibly with.
-    "tiny": Recipe(
-        "tiny",
-        defaults={
-            "num_generations": 8,
-            "max_completion_length": 4,
-            "temperature": 0.4,
-            "learning_rate": 3e-3,
-            "token_budget": 0,
-            "train_batch_size": 32,
-            "gradient_accumulation_steps": 1,
-            "max_inflight_per_replica": 4,
-            "queue_maxsize": 8,
-            "weight_sync_steps": 1,
-            "max_steps": 30,
-            "save_steps": 1000,
-        },
-    ),
-}

@@ -47,7 +47,12 @@ def _doctor(args: argparse.Namespace) -> int:
     from lorafleet.settings import load_settings
 
     configure("doctor", "WARNING")  # the table is the output; only cleanup problems go to stderr
-    results = run_doctor_sync(load_settings(), args.url, replicas=args.replica, probe=args.probe)
+    if args.task:
+        from lorafleet.commands.doctor.task import check_task_file
+
+        results = check_task_file(args.task)
+    else:
+        results = run_doctor_sync(load_settings(), args.url, replicas=args.replica, probe=args.probe)
     if args.json:
         print(json.dumps([result.as_json() for result in results], indent=2))
     else:
@@ -59,7 +64,8 @@ def _demo(args: argparse.Namespace) -> int:
     from lorafleet.commands.demo import DemoOptions
     from lorafleet.commands.demo import main as demo_main
 
-    return demo_main(DemoOptions(out=args.out, replicas=args.replicas, steps=args.steps, runs=args.runs))
+    return demo_main(DemoOptions(out=args.out, replicas=args.replicas, steps=args.steps, runs=args.runs,
+                                 task=args.task, eval_every_steps=args.eval_every_steps))
 
 
 def _settings_table(args: argparse.Namespace) -> int:
@@ -94,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--replica", action="append", default=[], metavar="URL",
                         help="a replica to check directly besides those in the proxy's /fleet (repeatable)")
     doctor.add_argument("--json", action="store_true", help="print the results as JSON")
+    doctor.add_argument("--task", default="", metavar="FILE",
+                        help="check a task file (or TRAINER_TASK value) instead of the fleet: no fleet needed")
     probe = doctor.add_mutually_exclusive_group()
     probe.add_argument("--probe", action="store_const", const=True, default=None,
                        help="run the probe (pauses the fleet, takes a LoRA slot) even on a fleet that is training")
@@ -107,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--runs", type=int, default=1, choices=range(1, 27), metavar="N",
                       help="training runs sharing the replicas at once (default 1; N > 1: runs a, b, ...)")
+    demo.add_argument("--task", default="tiny", help="what to train: tiny (default) or a task file's path")
+    demo.add_argument("--eval-every", type=int, default=5, dest="eval_every_steps", metavar="STEPS",
+                      help="score the task's eval set every STEPS steps (0 = never)")
     demo.set_defaults(func=_demo)
 
     from lorafleet import run_keys

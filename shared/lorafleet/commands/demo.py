@@ -40,6 +40,8 @@ class DemoOptions:
     steps: int = 60
     runs: int = 1
     startup_timeout_s: float = 300.0
+    task: str = "tiny"  # TRAINER_TASK: a built-in task or a task file (its path)
+    eval_every_steps: int = 5
 
 
 SINGLE_RUN = "demo"  # the single-run demo's RUN_NAME, on the default run (no prefix)
@@ -114,22 +116,37 @@ def replica_cache_stats(urls: list[str]) -> dict[str, Any]:
     return {"replicas": per_replica, "hit_rate": hits / queries if queries else None}
 
 
+TOOL_CALLS = "tools/call_frequency"  # TRL: tool calls per rollout, the window's mean
+EVAL_PASS = "eval/pass_at_1"
+
+
+def first_and_last(metrics: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The mean of `key` over the first and over the last few steps that logged it."""
+    values = [value for _, value in _series(metrics, key)]
+    window = max(1, min(5, len(values) // 3))
+    return {"first_steps_mean": _mean(values[:window]), "last_steps_mean": _mean(values[-window:]),
+            "window_steps": window}
+
+
 def run_report(metrics: list[dict[str, Any]]) -> dict[str, Any]:
-    """One run's training, from its metrics.jsonl: steps, reward first vs last steps, ratio range, syncs."""
-    rewards = [value for _, value in _series(metrics, "reward")]
+    """One run's training, from its metrics.jsonl: steps, reward (and tool calls) first vs last steps, ratio range,
+    syncs, and the eval passes (pass@1 and reward per pass)."""
     ratios = [value for _, value in _series(metrics, "ratio")]
     syncs = [value for _, value in _series(metrics, "perf/weight_sync_s")]
-    window = max(1, min(5, len(rewards) // 3))
-    return {
+    report = {
         "steps": latest(metrics, "step"),
-        "reward": {
-            "first_steps_mean": _mean(rewards[:window]),
-            "last_steps_mean": _mean(rewards[-window:]),
-            "window_steps": window,
-        },
+        "reward": first_and_last(metrics, "reward"),
         "importance_ratio": {"min": min(ratios, default=None), "max": max(ratios, default=None)},
         "weight_sync_s": {"p50": _percentile(syncs, 0.5), "p95": _percentile(syncs, 0.95), "count": len(syncs)},
+        "episodes_mixed_versions_frac": latest(metrics, "episodes/mixed_versions_frac"),
     }
+    if _series(metrics, TOOL_CALLS):
+        report["tool_calls_per_rollout"] = first_and_last(metrics, TOOL_CALLS)
+    evals = [{"step": int(row["eval/step"]), "model_version": int(row["eval/model_version"]),
+              "pass_at_1": row[EVAL_PASS], "reward": row.get("eval/reward")} for row in metrics if EVAL_PASS in row]
+    if evals:
+        report["eval"] = evals
+    return report
 
 
 def fleet_report(fleet: dict[str, Any], cache: dict[str, Any], wall_s: float) -> dict[str, Any]:
@@ -214,26 +231,37 @@ def sync_lines(sync: dict[str, Any]) -> list[str]:
     ]
 
 
-def plot_report(metrics: dict[str, list[dict[str, Any]]], path: Path) -> None:
+def plot_report(metrics: dict[str, list[dict[str, Any]]], path: Path, title: str = "tiny task") -> None:
     """Reward and weight-sync latency per step, one line per run, one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for axis, key, label in ((top, "reward", "reward"), (bottom, "perf/weight_sync_s", "weight sync (s)")):
+    panels = [("reward", "reward")]
+    if any(_series(rows, TOOL_CALLS) for rows in metrics.values()):
+        panels.append((TOOL_CALLS, "tool calls per rollout"))
+    panels.append(("perf/weight_sync_s", "weight sync (s)"))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3 * len(panels)), sharex=True)
+    top, bottom = axes[0], axes[-1]
+    for axis, (key, label) in zip(axes, panels, strict=True):
         for run, rows in metrics.items():
             points = _series(rows, key)
             if points:
-                axis.plot(*zip(*points, strict=True), marker="o", markersize=3, label=f"run {run}")
+                axis.plot(*zip(*points, strict=True), marker="o", markersize=3,
+                          label=f"run {run}" if len(metrics) > 1 else "training")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
-    if len(metrics) > 1:
+    for run, rows in metrics.items():  # the eval passes next to the training reward: x = the step each started at
+        passes = [(int(row["eval/step"]), float(row[EVAL_PASS])) for row in rows if EVAL_PASS in row]
+        if passes:
+            top.plot(*zip(*passes, strict=True), marker="s", linestyle="--",
+                     label=f"eval pass@1{f' run {run}' if len(metrics) > 1 else ''}")
+    if len(metrics) > 1 or any(EVAL_PASS in row for rows in metrics.values() for row in rows):
         top.legend()
     bottom.set_xlabel("optimizer step")
-    top.set_title("lorafleet demo: tiny recipe on CPU" + (f", {len(metrics)} runs sharing the fleet"
-                                                          if len(metrics) > 1 else ""))
+    top.set_title(f"lorafleet demo: {title} on CPU" + (f", {len(metrics)} runs sharing the fleet"
+                                                       if len(metrics) > 1 else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -245,6 +273,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
 
     runs = run_names(options.runs)
     out = options.out.resolve()
+    task = str(Path(options.task).resolve()) if options.task.endswith(".py") else options.task
     work = out / "work"
     adapter_root = work / "adapters"
     shutil.rmtree(adapter_root, ignore_errors=True)  # a fresh fleet state and run every time
@@ -273,7 +302,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         proxy = proxy_service("proxy", {**common, "PROXY_UPSTREAMS": ",".join(r.url for r in replicas)}, logs)
         started.append(proxy.start())
         wait_healthy([proxy], timeout_s=60)
-        _say(f"==> proxy ready at {proxy.url}; training {options.steps} steps on the tiny recipe"
+        _say(f"==> proxy ready at {proxy.url}; training {options.steps} steps on task {options.task}"
              + (f" in {len(runs)} runs at once ({', '.join(runs)}), each under {proxy.url}/runs/<run>"
                 if len(runs) > 1 else ""))
         trainers: dict[str, Service] = {}
@@ -281,7 +310,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
             metrics_port = free_port()
             trainers[run] = trainer_service(
                 "trainer" if len(runs) == 1 else f"trainer-{run}",
-                {**common, "RUN_NAME": run, "TRAINER_RECIPE": "tiny",
+                {**common, "RUN_NAME": run, "TRAINER_TASK": task, "EVAL_EVERY_STEPS": str(options.eval_every_steps),
                  "TRAINER_VLLM_URL": trainer_url(proxy.url, run, len(runs)), "MAX_STEPS": str(options.steps),
                  "TRAINER_METRICS_PORT": str(metrics_port)}, logs).start()
             started.append(trainers[run])
@@ -318,7 +347,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         report["doctor"], report["doctor_failed"] = doctor_tables(common, proxy.url, runs)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-        plot_report(metrics, out / "report.png")
+        plot_report(metrics, out / "report.png", title=f"task {Path(options.task).stem}")
         return report
     finally:
         if started:
@@ -356,7 +385,11 @@ def run_lines(report: dict[str, Any]) -> list[str]:
         f"last {reward['window_steps']} steps {fmt(reward['last_steps_mean'], '.3f')}",
         f"importance ratio: {fmt(ratio['min'], '.4f')} .. {fmt(ratio['max'], '.4f')}",
         f"weight sync: p50 {fmt(sync['p50'], '.2f')}s  p95 {fmt(sync['p95'], '.2f')}s  ({sync['count']} syncs)",
-    ]
+    ] + ([f"tool calls per rollout: first {calls['window_steps']} steps {fmt(calls['first_steps_mean'], '.3f')} -> "
+          f"last {calls['window_steps']} steps {fmt(calls['last_steps_mean'], '.3f')}"]
+         if (calls := report.get("tool_calls_per_rollout")) else []) + (
+        ["eval pass@1 by step: " + ", ".join(f"{row['step']}: {fmt(row['pass_at_1'], '.2f')}"
+                                              for row in report["eval"])] if report.get("eval") else [])
 
 
 def summary(report: dict[str, Any]) -> str:

@@ -132,7 +132,7 @@ def cpu_layout(cores: int, replicas: int) -> tuple[str, ...]:
 
 def gpu_settings() -> dict[str, str]:
     """A math-recipe run on the real model, one adapter version per step, until the test stops it."""
-    return {"TRAINER_RECIPE": "math", "MAX_MODEL_LEN": "1024", "MAX_COMPLETION_LENGTH": "256",
+    return {"TRAINER_TASK": "math", "MAX_MODEL_LEN": "1024", "MAX_COMPLETION_LENGTH": "256",
             "NUM_GENERATIONS": "4", "TOKEN_BUDGET": "0", "TRAIN_BATCH_SIZE": "8", "GRADIENT_ACCUMULATION_STEPS": "1",
             "WEIGHT_SYNC_STEPS": "1", "SAVE_STEPS": "3", "MAX_STEPS": "1000", "VLLM_GPU_MEMORY_UTILIZATION": "0.6"}
 

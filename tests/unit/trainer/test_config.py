@@ -1,4 +1,4 @@
-"""Settings (env, flags, recipe defaults) -> AsyncGRPOConfig / LoraConfig, as a table."""
+"""Settings (env, flags, task defaults) -> AsyncGRPOConfig / LoraConfig, as a table."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from lorafleet.settings import ConfigError, Settings
 from lorafleet_trainer.config import base_dtype, build_configs, score_queue_groups, use_bf16
 from lorafleet_trainer.main import FLAG_FIELDS, build_parser, main, resolve_settings
 from lorafleet_trainer.ranks import plan_ranks
-from lorafleet_trainer.recipes import RECIPES
+from lorafleet_trainer.tasks.builtin import tiny as tiny_task
 
 ALL_FIELDS = set(Settings.model_fields)
 
@@ -98,32 +98,39 @@ def test_precision_follows_the_device_unless_set(precision, cuda, bf16):
 
 def test_flags_override_env(monkeypatch):
     monkeypatch.setenv("LEARNING_RATE", "1e-4")
-    args = build_parser().parse_args(["--learning-rate", "2e-4", "--vllm-url", "http://x:1", "--recipe", "jsonl"])
+    args = build_parser().parse_args(["--learning-rate", "2e-4", "--vllm-url", "http://x:1", "--task", "jsonl"])
     overrides = {name: value for name in FLAG_FIELDS if (value := getattr(args, name)) is not None}
     settings = resolve_settings(overrides)
-    assert (settings.learning_rate, settings.trainer_vllm_url, settings.trainer_recipe) == (2e-4, "http://x:1", "jsonl")
+    assert (settings.learning_rate, settings.trainer_vllm_url, settings.trainer_task) == (2e-4, "http://x:1", "jsonl")
 
 
 def test_every_flag_is_a_setting():
     assert set(FLAG_FIELDS) <= ALL_FIELDS
 
 
-def test_recipe_defaults_fill_only_unset_settings(monkeypatch, tmp_path):
+def test_task_defaults_fill_only_unset_settings(monkeypatch, tmp_path):
     model = tmp_path / "tiny"
     model.mkdir()
     (model / "lorafleet-tiny.json").write_text('{"seed": 0}')
     monkeypatch.setenv("TEMPERATURE", "0.9")
-    settings = resolve_settings({"trainer_recipe": "tiny", "base_model": str(model), "max_steps": "3"})
-    tiny = RECIPES["tiny"].defaults
+    settings = resolve_settings({"trainer_task": "tiny", "base_model": str(model), "max_steps": "3"})
+    tiny = tiny_task.defaults
     assert settings.temperature == 0.9  # env wins
     assert settings.max_steps == 3  # flag wins
     assert settings.num_generations == tiny["num_generations"]
     assert settings.learning_rate == tiny["learning_rate"]
 
 
-def test_tiny_recipe_refuses_a_model_that_is_not_the_tiny_one():
-    with pytest.raises(ConfigError, match="BASE_MODEL: TRAINER_RECIPE=tiny needs a model built by"):
-        resolve_settings({"trainer_recipe": "tiny"})
+def test_tiny_task_refuses_a_model_that_is_not_the_tiny_one(tmp_path):
+    settings = resolve_settings({"trainer_task": "tiny"})
+    with pytest.raises(ConfigError, match="BASE_MODEL: TRAINER_TASK=tiny needs a model built by"):
+        tiny_task.build_task(None, settings)
+
+
+def test_the_old_recipe_setting_is_refused_with_its_new_name(monkeypatch):
+    monkeypatch.setenv("TRAINER_RECIPE", "tiny")
+    with pytest.raises(ConfigError, match="TRAINER_RECIPE: replaced by TRAINER_TASK"):
+        resolve_settings({})
 
 
 @pytest.mark.parametrize(("queue", "generations", "groups"), [(512, 8, 16), (8, 8, 1), (16, 4, 4), (3, 8, 1)])

@@ -66,3 +66,21 @@ def test_only_the_main_process_serves(tmp_path: Path) -> None:
     exporter = PrometheusExporter(load_settings(adapter_root=tmp_path, trainer_metrics_port=free_port()))
     exporter.on_train_begin(None, SimpleNamespace(is_world_process_zero=False, global_step=0), None)
     assert not exporter.serving
+
+
+def test_eval_results_and_per_function_rewards_are_gauges(tmp_path: Path) -> None:
+    from lorafleet_trainer.exporter import TrainerMetrics
+    from prometheus_client import generate_latest
+
+    metrics = TrainerMetrics(tmp_path)
+    metrics.record({"reward": 0.5, "rewards/says_yes": 0.75, "rewards/short": 0.25, "eval/pass_at_1": 0.5,
+                    "eval/reward": 1.25, "eval/model_version": 4.0, "eval/rewards/says_yes": 1.0}, step=10)
+    families = {family.name: family for family in text_string_to_metric_families(
+        generate_latest(metrics.registry).decode())}
+    assert families["lorafleet_trainer_eval_pass_at_1"].samples[0].value == 0.5
+    assert families["lorafleet_trainer_eval_reward"].samples[0].value == 1.25
+    assert families["lorafleet_trainer_eval_policy_version"].samples[0].value == 4
+    by_function = {s.labels["function"]: s.value for s in families["lorafleet_trainer_reward_by_function"].samples}
+    assert by_function == {"says_yes": 0.75, "short": 0.25}
+    assert {s.labels["function"]: s.value for s in families["lorafleet_trainer_eval_reward_by_function"].samples} == {
+        "says_yes": 1.0}

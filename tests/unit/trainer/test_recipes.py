@@ -1,4 +1,4 @@
-"""Datasets become TRL prompt rows; tokenizers get a response template; the tiny task is well-formed."""
+"""Datasets become TRL prompt rows; tokenizers get a response template; the built-in tasks are well-formed."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from lorafleet.settings import ConfigError, load_settings
 from lorafleet.tiny import make_tiny_model
 from lorafleet_trainer.recipes import (
     MATH_SYSTEM_PROMPT,
-    RECIPES,
     load_local_dataset,
     load_tokenizer,
     tiny_targets,
     to_prompt_rows,
 )
+from lorafleet_trainer.tasks.checks import prepare_task
 from trl.chat_template_utils import parse_response
 
 ROWS = [
@@ -63,21 +63,34 @@ def test_missing_solution_column_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("path", "message"), [("", "required by TRAINER_RECIPE=jsonl"), ("/nope.jsonl", "does not exist")]
+    ("path", "message"), [("", "required by TRAINER_TASK=jsonl"), ("/nope.jsonl", "does not exist")]
 )
 def test_dataset_path_errors_name_the_variable(path, message):
     with pytest.raises(ConfigError, match=f"DATASET_PATH: .*{message}"):
         load_local_dataset(path)
 
 
-@pytest.mark.parametrize("recipe", ["jsonl", "math"])  # math reads a local copy of the set when DATASET_PATH is set
-def test_recipe_builds_prompts_and_a_picklable_reward_from_a_local_file(tmp_path, tiny, recipe):
+@pytest.mark.parametrize("task", ["jsonl", "math"])  # math reads a local copy of the set when DATASET_PATH is set
+def test_task_builds_prompts_and_a_picklable_reward_from_a_local_file(tmp_path, tiny, task):
     path = _write(tmp_path / "d.parquet", ROWS)
-    settings = load_settings(base_model=str(tiny), dataset_path=str(path), max_completion_length=64)
-    tokenizer, dataset, (reward,) = RECIPES[recipe].build(settings)
-    assert len(dataset) == 2
+    settings = load_settings(base_model=str(tiny), dataset_path=str(path), max_completion_length=64,
+                             trainer_task=task)
+    built, tokenizer = prepare_task(settings)  # the checks pass: the reward runs on dummy completions
+    (reward,) = built.reward_funcs
+    assert len(built.train_dataset) == 2 and built.eval_dataset is None  # too small a file to hold problems out
     assert reward.keywords == {"max_completion_length": 64}
     assert tokenizer.response_template is not None
+
+
+def test_math_holds_out_the_same_eval_problems_on_every_run(tmp_path, tiny):
+    rows = [{"problem": f"What is {n} + 1?", "solution": f"\\boxed{{{n + 1}}}"} for n in range(300)]
+    path = _write(tmp_path / "d.jsonl", rows)
+    settings = load_settings(base_model=str(tiny), dataset_path=str(path), trainer_task="math")
+    first, _ = prepare_task(settings)
+    again, _ = prepare_task(settings)
+    assert (len(first.train_dataset), len(first.eval_dataset)) == (236, 64)
+    assert first.eval_dataset["solution"] == again.eval_dataset["solution"]
+    assert not set(first.eval_dataset["solution"]) & set(first.train_dataset["solution"])
 
 
 def test_chatml_template_trl_does_not_know_gets_a_response_template(tiny):
@@ -89,8 +102,9 @@ def test_chatml_template_trl_does_not_know_gets_a_response_template(tiny):
 
 
 def test_tiny_task_targets_cluster_around_the_anchor_and_ride_in_every_row(tiny):
-    settings = load_settings(base_model=str(tiny), trainer_recipe="tiny")
-    tokenizer, dataset, (reward,) = RECIPES["tiny"].build(settings)
+    settings = load_settings(base_model=str(tiny), trainer_task="tiny")
+    task, tokenizer = prepare_task(settings)
+    dataset, (reward,) = task.train_dataset, task.reward_funcs
     targets = tiny_targets(str(tiny), tokenizer)
     assert len(set(targets)) == 32 and all(0 <= t < len(tokenizer) for t in targets)
     anchor = tokenizer.encode(" cat", add_special_tokens=False)[0]

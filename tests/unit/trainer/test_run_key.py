@@ -288,7 +288,7 @@ def test_the_rollout_child_sends_the_run_key(server: RecordingServer, monkeypatc
     monkeypatch.setattr(trl_worker._AsyncRolloutLoop, "_score_loop", _no_scoring)
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the child's env scrub stays in this test
     worker = rollout_worker(server.url + RUN)
-    wire_rollouts(trainer_with(worker), key, 600.0)
+    wire_rollouts(trainer_with(worker), key, load_settings())
     worker._mp_ctx = SimpleNamespace(Process=_InlineChild)
     try:
         worker.start()
@@ -304,7 +304,7 @@ def test_the_keyed_loop_is_what_spawn_can_import_and_carries_the_key_in_its_kwar
     from lorafleet_trainer.fleet_rollouts import FleetRolloutLoop, wire_rollouts
 
     worker = rollout_worker(server.url + RUN)
-    wire_rollouts(trainer_with(worker), KEY, 600.0)
+    wire_rollouts(trainer_with(worker), KEY, load_settings())
     module = importlib.import_module("lorafleet_trainer.fleet_rollouts")
     assert worker._loop_cls is FleetRolloutLoop is getattr(module, FleetRolloutLoop.__qualname__)
     assert worker._loop_kwargs["run_key"] == KEY
@@ -314,7 +314,7 @@ def test_without_a_key_the_rollout_loop_adds_no_header_but_still_waits_for_the_f
     from lorafleet_trainer.fleet_rollouts import FleetRolloutLoop, wire_rollouts
 
     worker = rollout_worker(server.url + RUN)
-    wire_rollouts(trainer_with(worker), "", 42.0)
+    wire_rollouts(trainer_with(worker), "", load_settings(trainer_fleet_wait_s=42.0))
     assert worker._loop_cls is FleetRolloutLoop
     assert worker._loop_kwargs["run_key"] == "" and worker._loop_kwargs["fleet_wait_s"] == 42.0
 
@@ -323,13 +323,13 @@ def test_a_worker_the_key_cannot_reach_refuses_loudly(server: RecordingServer) -
     from lorafleet_trainer.fleet_rollouts import RolloutsUnsupported, wire_rollouts
 
     with pytest.raises(RolloutsUnsupported, match="not TRL's AsyncRolloutWorker"):
-        wire_rollouts(trainer_with(SimpleNamespace(_loop_cls=object, _loop_kwargs={})), KEY, 600.0)
+        wire_rollouts(trainer_with(SimpleNamespace(_loop_cls=object, _loop_kwargs={})), KEY, load_settings())
     with pytest.raises(RolloutsUnsupported, match="rank 0 has no rollout worker"):
-        wire_rollouts(trainer_with(None), KEY, 600.0)
+        wire_rollouts(trainer_with(None), KEY, load_settings())
     started = rollout_worker(server.url + RUN)
     started._process = object()
     with pytest.raises(RolloutsUnsupported, match="started before it was wired"):
-        wire_rollouts(trainer_with(started), KEY, 600.0)
+        wire_rollouts(trainer_with(started), KEY, load_settings())
 
 
 def test_a_trl_without_the_hooks_is_a_config_error_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:

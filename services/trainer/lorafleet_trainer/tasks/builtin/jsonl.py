@@ -1,0 +1,16 @@
+"""`jsonl`: the math task on a local JSONL/Parquet file (DATASET_PATH, required) with problem/solution columns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lorafleet.settings import Settings
+
+from lorafleet_trainer.recipes import load_local_dataset, to_prompt_rows
+from lorafleet_trainer.tasks.builtin.math import math_task
+
+pass_threshold = 1.0
+
+
+def build_task(tokenizer: Any, settings: Settings) -> dict[str, Any]:
+    return math_task(to_prompt_rows(load_local_dataset(settings.dataset_path), settings.dataset_path), settings)

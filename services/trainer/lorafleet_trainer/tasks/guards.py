@@ -1,0 +1,216 @@
+"""A task's code may raise, hang or answer garbage: what TRL gets instead, so training never stops for it.
+
+TRL 1.16 lets an exception in a reward function or an environment's `reset`/`get_reward` kill its rollout process
+(the trainer then fails), waits for a hung tool or reward for ever, and passes NaN or a list of the wrong length on.
+Here every call of the task's code runs in a daemon thread bounded by TASK_TIMEOUT_S (Python cannot stop a thread:
+a hung one is left behind, never waited for); a failed reward call scores its group None (TRL leaves None out of the
+advantage, so a broken reward pushes the policy nowhere), a failed tool call raises for TRL to answer the model
+with an error, a crashed environment serves no observation and no reward. Each fault is counted as
+`task/<function>/<kind>_total` in TRL's metrics (metrics.jsonl, Prometheus) and logged with the function's name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import threading
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import Any
+
+log = logging.getLogger("lorafleet_trainer.tasks")
+
+FAULT_KINDS = ("error", "timeout", "garbage")
+
+
+class TaskTimeout(TimeoutError):
+    """A call of the task's code outlived TASK_TIMEOUT_S."""
+
+
+def _start(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+           done: Callable[[Any, BaseException | None], None]) -> None:
+    def run() -> None:
+        try:
+            value = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller, who decides
+            done(None, exc)
+        else:
+            done(value, None)
+
+    threading.Thread(target=run, daemon=True, name=f"task-{getattr(fn, '__name__', 'call')}").start()
+
+
+def call_with_timeout(fn: Callable[..., Any], timeout_s: float, /, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` in a daemon thread; TaskTimeout when it takes longer than `timeout_s`."""
+    finished = threading.Event()
+    outcome: list[Any] = []
+    _start(fn, args, kwargs, lambda value, exc: (outcome.extend((value, exc)), finished.set()))
+    if not finished.wait(timeout_s):
+        raise TaskTimeout(f"{getattr(fn, '__name__', fn)} did not return within TASK_TIMEOUT_S={timeout_s:g}s")
+    value, exc = outcome
+    if exc is not None:
+        raise exc
+    return value
+
+
+def is_async(fn: Any) -> bool:
+    """Whether calling `fn` gives a coroutine: async functions, partials of them, callables with an async __call__."""
+    fn = getattr(fn, "func", fn)
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+async def await_with_timeout(fn: Callable[..., Any], timeout_s: float, /, **kwargs: Any) -> Any:
+    """Await an async `fn`, or run a sync one in a daemon thread, for at most `timeout_s` (then TaskTimeout)."""
+    if is_async(fn):
+        awaitable = fn(**kwargs)
+    else:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def settle(value: Any, exc: BaseException | None) -> None:
+            def apply() -> None:
+                if future.done():  # timed out already
+                    return
+                future.set_exception(exc) if exc is not None else future.set_result(value)
+
+            loop.call_soon_threadsafe(apply)
+
+        _start(fn, (), kwargs, settle)
+        awaitable = future
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except TimeoutError:
+        raise TaskTimeout(f"{getattr(fn, '__name__', fn)} did not return within TASK_TIMEOUT_S={timeout_s:g}s") \
+            from None
+
+
+def clean_score(value: Any) -> float | None:
+    """A finite float, or None for what TRL cannot use (None, NaN, inf, text, anything not a number)."""
+    if value is None or isinstance(value, str | bytes):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def clean_scores(values: Any, expected: int) -> tuple[list[float | None], str | None]:
+    """The scores TRL gets for `expected` completions, and what was wrong with `values` (None when nothing)."""
+    if not isinstance(values, Sequence) or isinstance(values, str | bytes):
+        return [None] * expected, f"returned {type(values).__name__}, not a list of {expected} scores"
+    if len(values) != expected:
+        return [None] * expected, f"returned {len(values)} scores for {expected} completions"
+    scores = [clean_score(value) for value in values]
+    bad = sum(score is None and value is not None for score, value in zip(scores, values, strict=True))
+    return scores, (f"{bad} of {expected} scores are not finite numbers (e.g. {values[scores.index(None)]!r})"
+                    if bad else None)
+
+
+class FaultLog:
+    """Counts and logs the task's faults under the function's name (from any thread; `drain` into TRL's metrics)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}
+        self._totals: dict[str, int] = {}
+
+    def fault(self, name: str, kind: str, detail: str) -> None:
+        key = f"task/{name}/{kind}_total"
+        with self._lock:
+            self._pending[key] = self._pending.get(key, 0) + 1
+            self._totals[key] = total = self._totals.get(key, 0) + 1
+        log.warning("task fault: %s %s: %s (scored None or answered with an error; %d %s faults in this run)",
+                    name, kind, detail, total, kind)
+
+    def drain(self, counters: MutableMapping[str, float]) -> None:
+        """Add the faults since the last drain to `counters` (TRL's, on its event loop's thread)."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for key, count in pending.items():
+            counters[key] = counters.get(key, 0) + count
+
+
+def guard_reward(func: Callable[..., Any], name: str, timeout_s: float, faults: FaultLog) -> Callable[..., Any]:
+    """`func` as TRL calls it (awaited, keyword arguments), never raising, hanging or scoring garbage."""
+
+    async def guarded(**kwargs: Any) -> list[float | None]:
+        expected = len(kwargs.get("completions") or kwargs.get("completion_ids") or [])
+        try:
+            values = await await_with_timeout(func, timeout_s, **kwargs)
+        except TaskTimeout as exc:
+            faults.fault(name, "timeout", str(exc))
+            return [None] * expected
+        except Exception as exc:
+            faults.fault(name, "error", f"{type(exc).__name__}: {exc}")
+            return [None] * expected
+        scores, problem = clean_scores(values, expected)
+        if problem:
+            faults.fault(name, "garbage", problem)
+        return scores
+
+    guarded.__name__ = name
+    return guarded
+
+
+def guard_tool(tool: Callable[..., Any], name: str, timeout_s: float, faults: FaultLog) -> Callable[..., Any]:
+    """`tool` bounded by `timeout_s`: a hung call raises TaskTimeout, which TRL answers the model with as an error."""
+
+    async def bounded(**arguments: Any) -> Any:
+        try:
+            return await await_with_timeout(tool, timeout_s, **arguments)
+        except TaskTimeout as exc:
+            faults.fault(name, "timeout", str(exc))
+            raise
+        except Exception as exc:
+            faults.fault(name, "error", f"{type(exc).__name__}: {exc}")
+            raise
+
+    bounded.__name__ = name
+    return bounded
+
+
+def guard_environment(instance: Any, timeout_s: float, faults: FaultLog) -> Any:
+    """An environment whose `reset` and `get_reward` never raise or hang: a crashed one serves no observation and
+    scores None until its next good `reset`. Instance attributes shadow the class's methods, which TRL lists."""
+    kind = type(instance).__name__
+    reset, get_reward = instance.reset, getattr(instance, "get_reward", None)
+    if get_reward is not None and inspect.iscoroutinefunction(get_reward):  # TRL would await it: run it to the end
+        async_reward = get_reward
+        get_reward = lambda: asyncio.run(async_reward())  # noqa: E731
+    state = {"crashed": False}
+
+    def guarded_reset(**row: Any) -> Any:
+        try:
+            observation = call_with_timeout(reset, timeout_s, **row)
+        except Exception as exc:
+            state["crashed"] = True
+            faults.fault(f"{kind}.reset", "timeout" if isinstance(exc, TaskTimeout) else "error",
+                         f"{type(exc).__name__}: {exc}; this episode runs on the dataset prompt alone")
+            return None
+        state["crashed"] = False
+        return observation
+
+    def guarded_reward() -> float | None:
+        if state["crashed"]:
+            return None
+        try:
+            value = call_with_timeout(get_reward, timeout_s)
+        except Exception as exc:
+            faults.fault(f"{kind}.get_reward", "timeout" if isinstance(exc, TaskTimeout) else "error",
+                         f"{type(exc).__name__}: {exc}")
+            return None
+        score = clean_score(value)
+        if score is None and value is not None:
+            faults.fault(f"{kind}.get_reward", "garbage", f"returned {value!r}, not a finite number")
+        return score
+
+    try:
+        instance.reset = guarded_reset
+        if get_reward is not None:
+            instance.get_reward = guarded_reward
+    except AttributeError:  # __slots__ or read-only: TRL calls it unguarded
+        log.warning("task environment %s cannot be guarded (its attributes are read-only): a crash in it stops the "
+                    "rollouts", kind)
+    return instance
