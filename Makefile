@@ -82,7 +82,7 @@ test-gpu: ## The GPU tier: the Compose stack on this host's NVIDIA GPUs (needs 4
 	$(MAKE) test-stack CPU=
 
 lint: setup ## ruff on all Python code and hadolint on every Dockerfile
-	$(BIN)/ruff check shared services tests bench tools
+	$(BIN)/ruff check shared services tests bench tools tasks
 	$(BIN)/hadolint --failure-threshold warning services/*/Dockerfile*
 
 fuzz: setup ## Schemathesis against the proxy, longer than in make test: make fuzz [EXAMPLES=500]

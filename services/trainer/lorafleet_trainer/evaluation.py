@@ -6,7 +6,8 @@ in a thread of its own: each row is one greedy episode (tools and environments a
 evaluation is traffic, never a pause. The task's rewards score it (guarded, tasks/guards.py). A row passes when its
 summed reward is at or above the task's `pass_threshold`. The result rides on the next logged training step
 (`eval/pass_at_1`, `eval/reward`, `eval/rewards/<function>`, `eval/step`, `eval/model_version`), so metrics.jsonl,
-Prometheus and the demo's report get it as they get the training reward. One pass at a time: a slow one is not
+Prometheus and the demo's report get it as they get the training reward; a pass still running when training ends
+(the last step's) gets up to FINAL_WAIT_S and its own metrics.jsonl line. One pass at a time: a slow one is not
 stacked on.
 """
 
@@ -17,6 +18,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,7 @@ from lorafleet_trainer.tasks.spec import Task
 log = logging.getLogger("lorafleet_trainer.evaluation")
 
 MAX_EVAL_TURNS = 8
+FINAL_WAIT_S = 300.0  # at the end of training, how long a pass still running may finish (then it is dropped)
 CONCURRENCY = 16
 TRL_ARGUMENTS = ("prompt", "completion", "completion_ids")
 POLICY = "trl-policy"  # TRL's adapter name prefix: version N is served as trl-policy-vN
@@ -188,8 +191,8 @@ class Evaluator:
 class EvalCallback(TrainerCallback):
     """Starts an eval pass after step 1 and every `every` steps (main process), logs it with the next step."""
 
-    def __init__(self, evaluator: Evaluator, every: int) -> None:
-        self.evaluator, self.every = evaluator, every
+    def __init__(self, evaluator: Evaluator, every: int, write: Callable[[int, dict[str, Any]], None]) -> None:
+        self.evaluator, self.every, self.write = evaluator, every, write
         self.trainer: Any = None  # bound after the trainer is built: the published version is the trainer's
         self._lock = threading.Lock()
         self._pending: dict[str, float] = {}
@@ -216,6 +219,17 @@ class EvalCallback(TrainerCallback):
             logs.update(self._pending)
             self._pending = {}
 
+    def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        """The last pass (started at the last step) finishes and is written on a line of its own."""
+        if self._running is not None:
+            self._running.join(FINAL_WAIT_S)
+            if self._running.is_alive():
+                log_event(log, "eval_dropped", logging.WARNING, reason=f"still running after {FINAL_WAIT_S:.0f}s")
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        if pending:
+            self.write(state.global_step, pending)
+
     def _run(self, step: int, version: int) -> None:
         try:
             result = asyncio.run(self.evaluator.evaluate(step, version))
@@ -230,8 +244,10 @@ class EvalCallback(TrainerCallback):
             self._pending = result.as_logs()
 
 
-def eval_callbacks(task: Task, settings: Settings, run_key: str, main_rank: bool) -> list[EvalCallback]:
-    """[EvalCallback] when the task has an eval set, EVAL_EVERY_STEPS is set and this is the main process."""
+def eval_callbacks(task: Task, settings: Settings, run_key: str, main_rank: bool,
+                   write: Callable[[int, dict[str, Any]], None]) -> list[EvalCallback]:
+    """[EvalCallback] when the task has an eval set, EVAL_EVERY_STEPS is set and this is the main process; `write`
+    appends a metrics.jsonl line (MetricsJsonl.append) for the pass the end of training would otherwise lose."""
     if not main_rank or task.eval_dataset is None or settings.eval_every_steps <= 0:
         return []
-    return [EvalCallback(Evaluator(task, settings, run_key), settings.eval_every_steps)]
+    return [EvalCallback(Evaluator(task, settings, run_key), settings.eval_every_steps, write)]

@@ -165,9 +165,10 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
             log, "resuming", checkpoint=checkpoint.path, step=checkpoint.step, model_version=checkpoint.model_version
         )
 
-    evaluation = eval_callbacks(task, settings, run_key, main_rank)  # first: its result joins the step's log
-    trainer = build_trainer(settings, configs, [*evaluation, MetricsJsonl(settings.metrics_path), lifecycle,
-                                                *exporter_callbacks(settings)], task=task)
+    metrics = MetricsJsonl(settings.metrics_path)
+    evaluation = eval_callbacks(task, settings, run_key, main_rank, metrics.append)  # first: joins the step's log
+    trainer = build_trainer(settings, configs, [*evaluation, metrics, lifecycle, *exporter_callbacks(settings)],
+                            task=task)
     for callback in evaluation:
         callback.bind(trainer)
     shield_rollout_worker(trainer, lifecycle)

@@ -119,15 +119,19 @@ class MetricsJsonl(TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
         if not logs or not state.is_world_process_zero:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"step": state.global_step, "time": round(time.time(), 3)}
-        record.update({key: _jsonable(value) for key, value in logs.items()})
-        with open(self.path, "a", encoding="utf-8") as out:
-            out.write(json.dumps(record) + "\n")
+        self.append(state.global_step, logs)
         shown = {
             key.split("/")[-1]: round(value, 4) for key in STEP_LOG_KEYS if isinstance(value := logs.get(key), float)
         }
         log_event(log, "train_step", step=state.global_step, **shown)
+
+    def append(self, step: int, values: dict[str, Any]) -> None:
+        """One line `{"step", "time", **values}` (one write: lines from two threads never interleave)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        record = {"step": step, "time": round(time.time(), 3)}
+        record.update({key: _jsonable(value) for key, value in values.items()})
+        with open(self.path, "a", encoding="utf-8") as out:
+            out.write(json.dumps(record) + "\n")
 
 
 def export_final_adapter(trainer: Any, run_dir: Path) -> Path | None:

@@ -24,7 +24,7 @@ class _Greedy(BaseHTTPRequestHandler):
     reply: ClassVar[list[int]] = []
     bodies: ClassVar[list[dict[str, Any]]] = []
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).bodies.append({**body, "authorization": self.headers.get("Authorization")})
         payload = json.dumps({"choices": [{"token_ids": type(self).reply}]}).encode()
@@ -91,7 +91,9 @@ def test_an_eval_pass_scores_greedy_answers_of_the_published_version(tokenizer, 
 def test_the_result_rides_on_the_next_logged_step(tokenizer, server):
     _Greedy.reply = tokenizer.encode("no<|im_end|>", add_special_tokens=False)
     settings = load_settings(trainer_vllm_url=server, eval_every_steps=5)
-    (callback,) = eval_callbacks(task_with(tokenizer, [says_yes], 1.0), settings, "", main_rank=True)
+    written: list[tuple[int, dict[str, Any]]] = []
+    (callback,) = eval_callbacks(task_with(tokenizer, [says_yes], 1.0), settings, "", main_rank=True,
+                                 write=lambda step, values: written.append((step, values)))
     assert isinstance(callback, EvalCallback)
     callback.bind(SimpleNamespace(model_version=2))
     state = SimpleNamespace(global_step=3, is_world_process_zero=True)
@@ -106,11 +108,15 @@ def test_the_result_rides_on_the_next_logged_step(tokenizer, server):
     again: dict[str, Any] = {}
     callback.on_log(None, state, None, logs=again)
     assert again == {}  # logged once
+    state.global_step = 10  # the last step: its pass ends after training, on a line of its own
+    callback.on_step_end(None, state, None)
+    callback.on_train_end(None, state, None)
+    assert [(step, values["eval/step"]) for step, values in written] == [(10, 10.0)]
 
 
 def test_no_eval_without_an_eval_set_a_period_or_off_the_main_rank(tokenizer):
     task = task_with(tokenizer, [says_yes], 1.0)
-    assert eval_callbacks(task, load_settings(eval_every_steps=0), "", main_rank=True) == []
-    assert eval_callbacks(task, load_settings(), "", main_rank=False) == []
+    assert eval_callbacks(task, load_settings(eval_every_steps=0), "", True, print) == []
+    assert eval_callbacks(task, load_settings(), "", False, print) == []
     no_eval = Task(task.settings, task.train_dataset, task.reward_funcs, tokenizer=tokenizer)
-    assert eval_callbacks(no_eval, load_settings(), "", main_rank=True) == []
+    assert eval_callbacks(no_eval, load_settings(), "", True, print) == []
