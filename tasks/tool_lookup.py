@@ -28,6 +28,7 @@ from typing import Any
 
 from lorafleet.settings import ConfigError
 from lorafleet.tiny import MODEL_MARKER, TOOL_CALLS, TOOL_KEYS, TOOL_NAME
+from lorafleet_trainer.tasks.builtin.tiny import defaults as TINY_DEFAULTS
 
 COLOURS = {"fox": "red", "owl": "white", "bee": "gold", "cow": "black"}
 QUESTIONS = ("what colour is the {} ?", "the {} is what colour ?", "colour of the {} ?", "is the {} red or blue ?")
@@ -36,21 +37,8 @@ EVAL_PROMPTS = 16
 WIN, OTHER_ANIMAL = 1.0, 0.5
 
 pass_threshold = WIN  # an eval episode passes when it looked up the animal it was asked about
-# The tiny recipe's defaults, but one token per turn (see the module docstring).
-defaults = {
-    "num_generations": 8,
-    "max_completion_length": 1,
-    "temperature": 0.4,
-    "learning_rate": 3e-3,
-    "token_budget": 0,
-    "train_batch_size": 32,
-    "gradient_accumulation_steps": 1,
-    "max_inflight_per_replica": 4,
-    "queue_maxsize": 8,
-    "weight_sync_steps": 1,
-    "max_steps": 30,
-    "save_steps": 1000,
-}
+# The tiny task's defaults, but one token per turn (see the module docstring).
+defaults = {**TINY_DEFAULTS, "max_completion_length": 1}
 # One tool round: call, read the colour, answer. A second call in the answer turn is not run (TRL counts it in
 # tools/loop_exhausted_frac).
 trl_args = {"max_tool_calling_iterations": 1}
