@@ -302,10 +302,10 @@ def plot(phases: dict[str, dict[str, Any]], path: Path, bin_s: float) -> None:
 
 
 # --- orchestration ---------------------------------------------------------------------------------------
-def start_replicas(model: Path, root: Path, logs: Path, count: int, staleness: int) -> list[Service]:
+def start_replicas(model: Path, root: Path, logs: Path, count: int, staleness: int, executor: str) -> list[Service]:
     env = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(root), "MAX_MODEL_LEN": "512", "VLLM_DTYPE": "float32",
            "VLLM_CPU_SETS": ";".join(str(i % 2) for i in range(count)), "MAX_STALENESS": str(staleness),
-           "LORA_RANK": "1", "LOG_LEVEL": "WARNING"}
+           "LORA_RANK": "1", "LOG_LEVEL": "WARNING", "VLLM_CPU_EXECUTOR": executor}
     replicas = [replica_service(f"replica-{i + 1}", env, logs).start() for i in range(count)]
     wait_healthy(replicas, timeout_s=600)
     return replicas
@@ -361,6 +361,9 @@ def main() -> int:
     parser.add_argument("--max-staleness", type=int, default=4)
     parser.add_argument("--bin-s", type=float, default=0.05, help="timeline resolution of the plot")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--executors", default="uni",
+                        help="CPU executors of the replicas, comma-separated (uni,mp: both, one after the other in "
+                             "this run, each with replicas of its own); the first one's modes are the result's `modes`")
     parser.add_argument("--nice", type=int, default=-10,
                         help="priority of the bench and everything it starts (inherited), where permitted: on a shared "
                              "box other work would otherwise dominate the gaps measured")
@@ -375,26 +378,42 @@ def main() -> int:
     work = args.work.resolve()
     model = make_tiny_model(work / "tiny")
     context = multiprocessing.get_context("spawn")
-    replicas = start_replicas(model, work / "adapters", work / "logs", args.replicas, args.max_staleness)
+    executors = [name.strip() for name in args.executors.split(",") if name.strip()]
+    every: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for executor in executors:
+        print(f"==> replicas with VLLM_CPU_EXECUTOR={executor}", flush=True)
+        every[executor] = run_executor(executor, model, work, args, context)
+    first = every[executors[0]]
+    result = {"config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+              "modes": {mode: summarize(phases) for mode, phases in first.items()},
+              "executors": {executor: {"modes": {mode: summarize(phases) for mode, phases in runs.items()}}
+                            for executor, runs in every.items()}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    timelines = {mode: {"timeline": phases[0]["timeline"], "per_sync": result["modes"][mode]["per_sync"]}
+                 for mode, phases in first.items()}
+    plot(timelines, args.out.with_suffix(".png"), args.bin_s)
+    for executor in executors:
+        print(f"VLLM_CPU_EXECUTOR={executor}\n{table(result['executors'][executor]['modes'])}")
+    print(f"written: {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+def run_executor(executor: str, model: Path, work: Path, args: argparse.Namespace,
+                 context: Any) -> dict[str, list[dict[str, Any]]]:
+    """Every mode's phases on replicas of one CPU executor (started here, stopped at the end)."""
+    replicas = start_replicas(model, work / "adapters", work / "logs" / executor, args.replicas, args.max_staleness,
+                              executor)
     try:
         publisher = Publisher(model, rank=1)
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
         for number in range(args.rounds):  # ABBA...: drift in the box's load hits both modes alike
             for mode in MODES if number % 2 == 0 else MODES[::-1]:
                 runs[mode].append(run_mode(mode, replicas, publisher, work, args, context))
+        return runs
     finally:
         for replica in replicas:
             replica.stop()
-    result = {"config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
-              "modes": {mode: summarize(phases) for mode, phases in runs.items()}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    timelines = {mode: {"timeline": phases[0]["timeline"], "per_sync": result["modes"][mode]["per_sync"]}
-                 for mode, phases in runs.items()}
-    plot(timelines, args.out.with_suffix(".png"), args.bin_s)
-    print(table(result["modes"]))
-    print(f"written: {args.out} and {args.out.with_suffix('.png')}")
-    return 0
 
 
 def table(modes: dict[str, dict[str, Any]]) -> str:

@@ -1,4 +1,4 @@
-"""`tool_lookup`: multi-turn tool use, small enough to train on 2 CPU cores (tiny model, rank-1 LoRA, ~30 steps).
+"""`tool_lookup`: multi-turn tool use, small enough to train on 2 CPU cores (tiny model, rank-1 LoRA, 60 steps).
 
 The game: each prompt asks the colour of one of four animals, and only the `lookup` tool knows the colours. An
 episode is won when the model looks the asked animal up (TRL runs the call and hands the colour back as a tool
@@ -37,8 +37,8 @@ EVAL_PROMPTS = 16
 WIN, OTHER_ANIMAL = 1.0, 0.5
 
 pass_threshold = WIN  # an eval episode passes when it looked up the animal it was asked about
-# The tiny task's defaults, but one token per turn (see the module docstring).
-defaults = {**TINY_DEFAULTS, "max_completion_length": 1}
+# The tiny task's defaults, but one token per turn (see the module docstring) and 60 steps (the demo's length).
+defaults = {**TINY_DEFAULTS, "max_completion_length": 1, "max_steps": 60}
 # One tool round: call, read the colour, answer. A second call in the answer turn is not run (TRL counts it in
 # tools/loop_exhausted_frac).
 trl_args = {"max_tool_calling_iterations": 1}

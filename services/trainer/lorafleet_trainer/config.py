@@ -114,12 +114,36 @@ def build_configs(settings: Settings, *, replicas: int, ranks: RankPlan,
     task's `trl_args` (AsyncGRPOConfig fields lorafleet has no setting for)."""
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
+    fields = grpo_fields(settings, replicas=replicas, ranks=ranks)
+    refuse_clashes(trl_args or {}, lorafleet_fields(settings))
+    grpo = AsyncGRPOConfig(**fields, **(trl_args or {}))
+    return TrainerConfigs(grpo=grpo, lora=build_lora_config(settings), replicas=replicas, ranks=ranks)
+
+
+def refuse_clashes(trl_args: dict[str, Any], lorafleet_fields: set[str]) -> None:
+    """ConfigError naming the task's trl_args that lorafleet sets from its own settings."""
+    clash = sorted(set(trl_args) & lorafleet_fields)
+    if clash:
+        raise ConfigError(f"the task's trl_args set {', '.join(clash)}, which lorafleet sets from its settings: set "
+                          "those in the task's `defaults` (lorafleet setting names) instead")
+
+
+def lorafleet_fields(settings: Settings) -> set[str]:
+    """Every AsyncGRPOConfig field lorafleet sets from its settings, on any device and sharding."""
+    fields = set(grpo_fields(settings, replicas=1, ranks=RankPlan(1, "cpu", "none")))
+    for sharding in ("fsdp2", "ddp"):
+        fields |= set(sharding_args(RankPlan(2, "cuda", sharding)))
+    return fields
+
+
+def grpo_fields(settings: Settings, *, replicas: int, ranks: RankPlan) -> dict[str, Any]:
+    """The AsyncGRPOConfig arguments lorafleet derives from `settings` (pure: nothing is built)."""
     cuda = ranks.device == "cuda"
 
     inflight = inflight_tasks(settings, replicas)
     report_to = [item.strip() for item in settings.trainer_report_to.split(",") if item.strip()] or ["none"]
     bf16 = use_bf16(settings, cuda)
-    fields = dict(
+    return dict(
         output_dir=str(settings.run_dir),
         vllm_server_base_url=settings.trainer_vllm_url.rstrip("/"),
         vllm_server_timeout=settings.trainer_server_timeout_s,
@@ -149,12 +173,6 @@ def build_configs(settings: Settings, *, replicas: int, ranks: RankPlan,
         disable_tqdm=True,
         **sharding_args(ranks),
     )
-    clash = sorted(set(trl_args or {}) & set(fields))
-    if clash:
-        raise ConfigError(f"the task's trl_args set {', '.join(clash)}, which lorafleet sets from its settings: set "
-                          "those in the task's `defaults` (lorafleet setting names) instead")
-    grpo = AsyncGRPOConfig(**fields, **(trl_args or {}))
-    return TrainerConfigs(grpo=grpo, lora=build_lora_config(settings), replicas=replicas, ranks=ranks)
 
 
 def score_queue_groups(queue_maxsize: int, num_generations: int) -> int:

@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="CPU demo: tiny model, replicas, proxy, real trainer; writes a report")
     demo.add_argument("--out", type=Path, default=Path("results/demo"))
     demo.add_argument("--replicas", type=int, default=2)
-    demo.add_argument("--steps", type=int, default=60)
+    demo.add_argument("--steps", type=int, default=None,
+                      help="optimizer steps (default: 60 on the tiny task, a task file's own max_steps otherwise)")
     demo.add_argument("--runs", type=int, default=1, choices=range(1, 27), metavar="N",
                       help="training runs sharing the replicas at once (default 1; N > 1: runs a, b, ...)")
     demo.add_argument("--task", default="tiny", help="what to train: tiny (default) or a task file's path")

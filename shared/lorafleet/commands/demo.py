@@ -37,13 +37,14 @@ from lorafleet.vllm_api import metric_total
 class DemoOptions:
     out: Path
     replicas: int = 2
-    steps: int = 60
+    steps: int | None = None  # None: TINY_DEMO_STEPS for the tiny task, a task file's own max_steps otherwise
     runs: int = 1
     startup_timeout_s: float = 300.0
     task: str = "tiny"  # TRAINER_TASK: a built-in task or a task file (its path)
     eval_every_steps: int = 5
 
 
+TINY_DEMO_STEPS = 60
 SINGLE_RUN = "demo"  # the single-run demo's RUN_NAME, on the default run (no prefix)
 
 
@@ -83,7 +84,7 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def progress_line(elapsed: float, steps: int, metrics: list[dict[str, Any]], fleet: dict[str, Any]) -> str:
+def progress_line(elapsed: float, steps: int | None, metrics: list[dict[str, Any]], fleet: dict[str, Any]) -> str:
     """One line of live progress: training, replicas and their adapters, routing."""
     replicas = fleet.get("replicas", [])
     ready = sum(1 for r in replicas if r.get("state") == "ready")
@@ -96,7 +97,7 @@ def progress_line(elapsed: float, steps: int, metrics: list[dict[str, Any]], fle
         return fmt(latest(metrics, key), spec)
 
     return (
-        f"[{elapsed:5.0f}s] step {last('step', 'd')}/{steps}  reward {last('reward', '.3f')}  "
+        f"[{elapsed:5.0f}s] step {last('step', 'd')}/{steps or '-'}  reward {last('reward', '.3f')}  "
         f"ratio {last('ratio', '.4f')}  queue {last('sample/rollout_queue_size', '.0f')}  "
         f"staleness {last('sample/staleness_mean', '.2f')}  sync {last('perf/weight_sync_s', '.2f')}s | "
         f"replicas {ready}/{len(replicas)} [{adapters}] | routing affinity {hit} of {routed}"
@@ -117,7 +118,13 @@ def replica_cache_stats(urls: list[str]) -> dict[str, Any]:
 
 
 TOOL_CALLS = "tools/call_frequency"  # TRL: tool calls per rollout, the window's mean
+TOOLS_GIVEN = "tools/loop_exhausted_frac"  # TRL logs it only when the task has tools
 EVAL_PASS = "eval/pass_at_1"
+
+
+def uses_tools(rows: list[dict[str, Any]]) -> bool:
+    """Whether the run's task had tools: TRL parses (and counts) calls of unknown tools in any task."""
+    return any(TOOLS_GIVEN in row for row in rows) and bool(_series(rows, TOOL_CALLS))
 
 
 def first_and_last(metrics: list[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -140,7 +147,7 @@ def run_report(metrics: list[dict[str, Any]]) -> dict[str, Any]:
         "weight_sync_s": {"p50": _percentile(syncs, 0.5), "p95": _percentile(syncs, 0.95), "count": len(syncs)},
         "episodes_mixed_versions_frac": latest(metrics, "episodes/mixed_versions_frac"),
     }
-    if _series(metrics, TOOL_CALLS):
+    if uses_tools(metrics):
         report["tool_calls_per_rollout"] = first_and_last(metrics, TOOL_CALLS)
     evals = [{"step": int(row["eval/step"]), "model_version": int(row["eval/model_version"]),
               "pass_at_1": row[EVAL_PASS], "reward": row.get("eval/reward")} for row in metrics if EVAL_PASS in row]
@@ -239,7 +246,7 @@ def plot_report(metrics: dict[str, list[dict[str, Any]]], path: Path, title: str
     import matplotlib.pyplot as plt
 
     panels = [("reward", "reward")]
-    if any(_series(rows, TOOL_CALLS) for rows in metrics.values()):
+    if any(uses_tools(rows) for rows in metrics.values()):
         panels.append((TOOL_CALLS, "tool calls per rollout"))
     panels.append(("perf/weight_sync_s", "weight sync (s)"))
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3 * len(panels)), sharex=True)
@@ -274,6 +281,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     runs = run_names(options.runs)
     out = options.out.resolve()
     task = str(Path(options.task).resolve()) if options.task.endswith(".py") else options.task
+    steps = options.steps or (TINY_DEMO_STEPS if options.task == "tiny" else None)
     work = out / "work"
     adapter_root = work / "adapters"
     shutil.rmtree(adapter_root, ignore_errors=True)  # a fresh fleet state and run every time
@@ -302,7 +310,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         proxy = proxy_service("proxy", {**common, "PROXY_UPSTREAMS": ",".join(r.url for r in replicas)}, logs)
         started.append(proxy.start())
         wait_healthy([proxy], timeout_s=60)
-        _say(f"==> proxy ready at {proxy.url}; training {options.steps} steps on task {options.task}"
+        _say(f"==> proxy ready at {proxy.url}; training {steps or 'its own max_steps of'} steps on task {options.task}"
              + (f" in {len(runs)} runs at once ({', '.join(runs)}), each under {proxy.url}/runs/<run>"
                 if len(runs) > 1 else ""))
         trainers: dict[str, Service] = {}
@@ -311,8 +319,8 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
             trainers[run] = trainer_service(
                 "trainer" if len(runs) == 1 else f"trainer-{run}",
                 {**common, "RUN_NAME": run, "TRAINER_TASK": task, "EVAL_EVERY_STEPS": str(options.eval_every_steps),
-                 "TRAINER_VLLM_URL": trainer_url(proxy.url, run, len(runs)), "MAX_STEPS": str(options.steps),
-                 "TRAINER_METRICS_PORT": str(metrics_port)}, logs).start()
+                 "TRAINER_VLLM_URL": trainer_url(proxy.url, run, len(runs)), "TRAINER_METRICS_PORT": str(metrics_port),
+                 **({"MAX_STEPS": str(steps)} if steps else {})}, logs).start()
             started.append(trainers[run])
             _say(f"    run {run}: trainer metrics on http://127.0.0.1:{metrics_port}/metrics")
         trainer_began = time.monotonic()
@@ -325,7 +333,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
                 time.sleep(3)
                 fleet = client.get(proxy.url + "/fleet").json()
                 for run, path in metrics_files.items():
-                    line = progress_line(time.monotonic() - begin, options.steps, read_metrics(path), fleet)
+                    line = progress_line(time.monotonic() - begin, steps, read_metrics(path), fleet)
                     _say(line if len(runs) == 1 else f"run {run} {line}")
             fleet = client.get(proxy.url + "/fleet").json()
             trainer_s = time.monotonic() - trainer_began

@@ -108,6 +108,10 @@ BROKEN = {
     "trl_args_unknown": ('trl_args = {"max_tool_calls": 2}\n', r"`trl_args` names max_tool_calls, which "
                          r"AsyncGRPOConfig \(TRL 1.16\) does not have", None),
     "empty": ("train_dataset = Dataset.from_dict({'prompt': []})\n", "`train_dataset` is empty", None),
+    "empty_list": ("train_dataset = []\n", "`train_dataset` is empty", None),
+    "trl_args_lorafleet_sets": ('trl_args = {"num_generations": 2, "temperature": 1.0}\n', "`trl_args` set "
+                                "num_generations, temperature, which lorafleet sets from its settings: set those in "
+                                "the task's `defaults`", None),
     "no_prompt": ("train_dataset = Dataset.from_dict({'question': ['q']})\n",
                   r"`train_dataset` has no `prompt` column \(columns: question\)", None),
     "prompt_not_messages": ("train_dataset = Dataset.from_dict({'prompt': [5, 6], 'answer': ['4', 'red']})\n",
@@ -188,6 +192,14 @@ def test_several_problems_are_all_reported(tmp_path, tokenizer, tiny):
     path = write_task(tmp_path, "def short(completions, **kw):\n    return []\nreward_funcs = [short, 3]\n")
     problems = problems_of(path, tokenizer, tiny)
     assert [p.problem.split(" ")[1] for p in problems] == ["`short`", "3"]
+
+
+def test_a_base_model_that_cannot_be_loaded_is_one_line_naming_base_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = write_task(tmp_path, "")
+    with pytest.raises(ConfigError, match=r"^BASE_MODEL: cannot load the tokenizer of '/no/model' to check") as raised:
+        prepare_task(load_settings(trainer_task=str(path), base_model="/no/model"))
+    assert "\n" not in str(raised.value)
 
 
 @pytest.mark.parametrize(("task", "message"), [

@@ -51,6 +51,8 @@ def _picklable(value: Any, what: str, where: str) -> list[TaskError]:
 
 def check_dataset(dataset: Any, what: str, where: str, *, prompt_required: bool = True) -> list[TaskError]:
     """A non-empty datasets.Dataset whose `prompt` column holds message lists (plain text was converted)."""
+    if isinstance(dataset, list | tuple) and not dataset:
+        return [TaskError(where, f"`{what}` is empty; it needs at least one row")]
     if not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__"):
         return [TaskError(where, f"`{what}` is a {type(dataset).__name__}; give a datasets.Dataset (or a list of row "
                           "dicts) with a `prompt` column")]
@@ -241,20 +243,27 @@ def check_template(task: Task, tokenizer: Any, tools: list[Callable[..., Any]], 
     return []
 
 
-def check_trl_args(task_settings: TaskSettings) -> list[TaskError]:
+def check_trl_args(task_settings: TaskSettings, settings: Settings) -> list[TaskError]:
+    """Fields of TRL 1.16's AsyncGRPOConfig, and none that lorafleet sets from its own settings."""
     from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from lorafleet_trainer.config import lorafleet_fields, refuse_clashes
 
     known = {item.name for item in dataclasses.fields(AsyncGRPOConfig)}
     unknown = sorted(set(task_settings.trl_args) - known)
     if unknown:
         return [TaskError(task_settings.where, f"`trl_args` names {', '.join(unknown)}, which AsyncGRPOConfig "
                           "(TRL 1.16) does not have")]
+    try:
+        refuse_clashes(task_settings.trl_args, lorafleet_fields(settings))
+    except ConfigError as exc:
+        return [TaskError(task_settings.where, str(exc).replace("the task's trl_args", "`trl_args`"))]
     return []
 
 
 def check_task(task: Task, tokenizer: Any, settings: Settings) -> list[TaskError]:
     """Every problem with `task`, in the order a user fixes them (data, environments, rewards, tools, template)."""
-    problems = check_trl_args(task.settings) + check_dataset(
+    problems = check_trl_args(task.settings, settings) + check_dataset(
         task.train_dataset, "train_dataset", task.where, prompt_required=task.environment_factory is None)
     if task.eval_dataset is not None:
         problems += check_dataset(task.eval_dataset, "eval_dataset", task.where)
@@ -276,7 +285,15 @@ def prepare_task(settings: Settings, tokenizer: Any = None) -> tuple[Task, Any]:
     from lorafleet_trainer.recipes import load_tokenizer
 
     task_settings, module = read_task_settings(settings.trainer_task)
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.base_model)
+    if tokenizer is None:
+        try:
+            tokenizer = load_tokenizer(settings.base_model)
+        except ConfigError:
+            raise
+        except Exception as exc:  # not downloadable, not a model folder: the task cannot be rendered without it
+            raise ConfigError(f"BASE_MODEL: cannot load the tokenizer of {settings.base_model!r} to check the task "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); set BASE_MODEL to the "
+                              "model you train (a local folder, or a Hub name reachable from here)") from None
     task = build_task(task_settings, module, tokenizer, settings)
     problems = check_task(task, tokenizer, settings)
     if problems:
