@@ -26,6 +26,7 @@ import httpx
 from lorafleet.logs import log_event
 from lorafleet.settings import Settings
 from transformers import TrainerCallback
+from trl.trainer.utils import get_callable_name
 
 from lorafleet_trainer.run_key import bearer
 from lorafleet_trainer.tasks.checks import environment_tools
@@ -71,10 +72,6 @@ class EvalResult:
 def _mean(values: list[float | None]) -> float | None:
     numbers = [value for value in values if value is not None]
     return sum(numbers) / len(numbers) if numbers else None
-
-
-def _name(func: Any) -> str:
-    return getattr(getattr(func, "func", func), "__name__", type(func).__name__)
 
 
 class Evaluator:
@@ -124,7 +121,7 @@ class Evaluator:
                 kwargs[column] = [row[column] for row in rows]
         scores: dict[str, list[float | None]] = {}
         for func in self.task.reward_funcs:
-            name = _name(func)
+            name = get_callable_name(func)  # TRL's name: eval/rewards/<name> pairs with rewards/<name>
             scores[name] = await guard_reward(func, name, self.settings.task_timeout_s, self.faults)(**kwargs)
         if any(reward is not None for *_, reward, _ in episodes):
             scores["environment"] = [reward for *_, reward, _ in episodes]

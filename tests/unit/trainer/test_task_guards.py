@@ -269,3 +269,19 @@ def _one_reward(completions: list[Any], **_: Any) -> list[float]:
 
 def _nan_reward(completions: list[Any], **_: Any) -> list[float]:
     return [float("nan")] * len(completions)
+
+
+def test_async_code_called_from_a_thread_runs_to_its_end_under_the_same_bound():
+    async def double(x: int) -> int:
+        await asyncio.sleep(0.01)
+        return 2 * x
+
+    class AsyncGame(Game):
+        async def get_reward(self) -> float:  # type: ignore[override]
+            return 0.5
+
+    assert call_with_timeout(double, 2, 3) == 6
+    with pytest.raises(TaskTimeout):
+        call_with_timeout(hangs_async, 0.2)
+    game = guard_environment(AsyncGame(), 1, FaultLog())
+    assert game.reset() == "go" and game.get_reward() == 0.5

@@ -7,7 +7,6 @@ process (an unpicklable reward, a tool without a docstring, a template that drop
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import inspect
 import pickle
@@ -15,8 +14,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from lorafleet.settings import ConfigError, Settings
+from trl.trainer.utils import get_callable_name
 
-from lorafleet_trainer.tasks.guards import call_with_timeout, clean_score, clean_scores, is_async
+from lorafleet_trainer.tasks.guards import call_with_timeout, clean_score, clean_scores
 from lorafleet_trainer.tasks.loader import build_task, read_task_settings
 from lorafleet_trainer.tasks.spec import Task, TaskError, TaskSettings, line_in, line_of
 
@@ -32,11 +32,6 @@ class TaskProblems(ConfigError):
     def __init__(self, problems: list[TaskError]) -> None:
         self.problems = problems
         super().__init__("\n".join(str(problem) for problem in problems))
-
-
-def _name(value: Any) -> str:
-    value = getattr(value, "func", value)
-    return getattr(value, "__name__", None) or type(value).__name__
 
 
 def _picklable(value: Any, what: str, where: str) -> list[TaskError]:
@@ -104,7 +99,7 @@ def check_tool(tool: Any, where: str) -> list[TaskError]:
     """Callable, picklable (unless bound to an environment) and described the way transformers builds its schema."""
     from transformers.utils import get_json_schema
 
-    name = _name(tool)
+    name = get_callable_name(tool)
     if not callable(tool):
         return [TaskError(where, f"tool {tool!r:.60} is not callable; give a function")]
     problems = [] if inspect.ismethod(tool) else _picklable(tool, f"tool `{name}`", where)
@@ -139,13 +134,10 @@ def _dry_run_kwargs(task: Task, tokenizer: Any) -> tuple[dict[str, Any], list[di
 
 def check_reward_call(func: Any, kwargs: dict[str, Any], where: str, timeout_s: float) -> list[TaskError]:
     """Call one reward as TRL does, on the dry-run rows: it must answer one score (or None) per completion."""
-    name = _name(func)
+    name = get_callable_name(func)
     expected = len(kwargs["completions"])
     try:
-        if is_async(func):
-            values = call_with_timeout(lambda: asyncio.run(func(**kwargs)), timeout_s)
-        else:
-            values = call_with_timeout(func, timeout_s, **kwargs)
+        values = call_with_timeout(func, timeout_s, **kwargs)
     except TimeoutError:
         return [TaskError(where, f"reward `{name}` did not return within TASK_TIMEOUT_S={timeout_s:g}s on "
                           f"{expected} dummy completions", line_of(func))]
@@ -173,7 +165,7 @@ def check_rewards(task: Task, tokenizer: Any, settings: Settings, rewarding_envs
         if not callable(func):
             problems.append(TaskError(where, f"reward {func!r:.60} is not callable; give functions in `reward_funcs`"))
             continue
-        found = _picklable(func, f"reward `{_name(func)}`", where)
+        found = _picklable(func, f"reward `{get_callable_name(func)}`", where)
         problems += found or check_reward_call(func, kwargs, where, settings.task_timeout_s)
     return problems
 
@@ -203,8 +195,7 @@ def check_environments(task: Task, settings: Settings) -> tuple[list[Callable[..
             rewarding.append(type(instance).__name__)
             get_reward = instance.get_reward
             try:
-                value = call_with_timeout(asyncio.run, settings.task_timeout_s, get_reward()) if is_async(
-                    get_reward) else call_with_timeout(get_reward, settings.task_timeout_s)
+                value = call_with_timeout(get_reward, settings.task_timeout_s)
             except Exception as exc:
                 problems.append(TaskError(where, f"`{type(instance).__name__}.get_reward()` after reset raised "
                                           f"{type(exc).__name__}: {exc}", line_in(where, exc) or line_of(get_reward)))
@@ -227,7 +218,7 @@ def check_template(task: Task, tokenizer: Any, tools: list[Callable[..., Any]], 
     except Exception as exc:
         return [TaskError(task.where, f"BASE_MODEL's chat template cannot render the tools: {type(exc).__name__}: "
                           f"{exc}")]
-    missing = [_name(tool) for tool in tools if _name(tool) not in rendered]
+    missing = [get_callable_name(tool) for tool in tools if get_callable_name(tool) not in rendered]
     if missing:
         return [TaskError(task.where, f"BASE_MODEL ({settings.base_model})'s chat template does not render the "
                           f"tools {', '.join(missing)}: the model would never see them; use a model whose template "

@@ -12,12 +12,13 @@ with an error, a crashed environment serves no observation and no reward. Each f
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import math
 import threading
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
+
+from trl.trainer.utils import is_async_callable
 
 log = logging.getLogger("lorafleet_trainer.tasks")
 
@@ -42,10 +43,12 @@ def _start(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def call_with_timeout(fn: Callable[..., Any], timeout_s: float, /, *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` in a daemon thread; TaskTimeout when it takes longer than `timeout_s`."""
+    """`fn(*args, **kwargs)` in a daemon thread (an async `fn` run to its end there); TaskTimeout when it takes
+    longer than `timeout_s`."""
     finished = threading.Event()
     outcome: list[Any] = []
-    _start(fn, args, kwargs, lambda value, exc: (outcome.extend((value, exc)), finished.set()))
+    call = (lambda *a, **k: asyncio.run(fn(*a, **k))) if is_async_callable(fn) else fn
+    _start(call, args, kwargs, lambda value, exc: (outcome.extend((value, exc)), finished.set()))
     if not finished.wait(timeout_s):
         raise TaskTimeout(f"{getattr(fn, '__name__', fn)} did not return within TASK_TIMEOUT_S={timeout_s:g}s")
     value, exc = outcome
@@ -54,15 +57,9 @@ def call_with_timeout(fn: Callable[..., Any], timeout_s: float, /, *args: Any, *
     return value
 
 
-def is_async(fn: Any) -> bool:
-    """Whether calling `fn` gives a coroutine: async functions, partials of them, callables with an async __call__."""
-    fn = getattr(fn, "func", fn)
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
-
-
 async def await_with_timeout(fn: Callable[..., Any], timeout_s: float, /, **kwargs: Any) -> Any:
     """Await an async `fn`, or run a sync one in a daemon thread, for at most `timeout_s` (then TaskTimeout)."""
-    if is_async(fn):
+    if is_async_callable(fn):
         awaitable = fn(**kwargs)
     else:
         loop = asyncio.get_running_loop()
@@ -176,9 +173,6 @@ def guard_environment(instance: Any, timeout_s: float, faults: FaultLog) -> Any:
     scores None until its next good `reset`. Instance attributes shadow the class's methods, which TRL lists."""
     kind = type(instance).__name__
     reset, get_reward = instance.reset, getattr(instance, "get_reward", None)
-    if get_reward is not None and inspect.iscoroutinefunction(get_reward):  # TRL would await it: run it to the end
-        async_reward = get_reward
-        get_reward = lambda: asyncio.run(async_reward())  # noqa: E731
     state = {"crashed": False}
 
     def guarded_reset(**row: Any) -> Any:

@@ -52,11 +52,13 @@ class Task:
         return self.settings.where
 
     def summary(self) -> dict[str, Any]:
-        """What the run trains on, for the start-up log line."""
+        """What the run trains on, for the start-up log line (reward names as TRL's metrics name them)."""
+        from trl.trainer.utils import get_callable_name
+
         return {
             "task": self.settings.name, "task_file": self.where, "train_rows": len(self.train_dataset),
             "eval_rows": len(self.eval_dataset) if self.eval_dataset is not None else 0,
-            "rewards": [getattr(getattr(f, "func", f), "__name__", type(f).__name__) for f in self.reward_funcs],
+            "rewards": [get_callable_name(func) for func in self.reward_funcs],
             "tools": [getattr(tool, "__name__", "?") for tool in self.tools],
             "environment": self.environment_factory is not None,
         }
