@@ -12,12 +12,17 @@ from `.env.example` and the two keys (lorafleet_testing.stack_plan, .stack_drive
   4. the trainer `make up` started trains: every published version served by every replica (their own word),
      importance ratio within the doctor's bounds, adapters and checkpoints written to the store;
   5. the same greedy request gives identical tokens and logprobs on every replica;
-  6. `docker compose stop` of the trainer: checkpoint, exit 0, not restarted; `start` resumes from the checkpoint;
+  6. a second run (`make train RUN=b`, its own key) trains with the first; the proxy's main process killed, then the
+     proxy stopped for a minute and started: both trainers wait and train on (not restarted, every step once, in
+     order), the ledger and every replica agree, and how soon the fleet serves again is measured; run b is parked;
+  7. `docker compose stop` of the trainer: checkpoint, exit 0, not restarted; `start` resumes from the checkpoint;
      then stopped again (a parked run: its adapters stay served, and the CPU goes to the fleet's own steps);
-  7. `make scale` up by one under traffic: the new replica holds every adapter before it gets traffic, no failure;
-  8. a replica's main process killed under traffic: no client-visible failure, Docker restarts it, the proxy re-syncs
+  8. `make scale` up by one under traffic: the new replica holds every adapter before it gets traffic, no failure;
+  9. a replica's main process killed under traffic: no client-visible failure, Docker restarts it, the proxy re-syncs
      it before it takes traffic again;
-  9. `make down` leaves volumes only, `down -v` nothing.
+  10. a replica frozen (`docker pause`) under traffic: it leaves routing, no client-visible failure, and unpaused it
+     re-syncs and takes traffic again;
+  11. `make down` leaves volumes only, `down -v` nothing.
 The stack is always removed with `down -v`; when a test failed, `docker compose logs` is saved under results/stack/.
 """
 
@@ -30,6 +35,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -63,6 +69,8 @@ PROMPT = "<|im_start|>user\nWhat is 17 + 25? Answer with a number.<|im_end|>\n<|
 # Same weights, same kernels, one request at a time: greedy decoding agrees exactly; the tolerance only absorbs
 # the last bits of bf16 reductions on GPUs of one model.
 LOGPROB_ABS = 1e-5 if PROFILE == "cpu" else 1e-3
+SECOND_RUN = "b"  # `make train RUN=b`, the README's second run
+OUTAGE_S = 60.0  # the proxy stopped this long under training
 
 T = TypeVar("T")
 
@@ -194,8 +202,8 @@ def served_by(stack: Stack, container: str) -> dict[str, str]:
     return {card["id"]: card["root"] for card in cards if card.get("parent")}
 
 
-def metrics(stack: Stack) -> list[dict[str, Any]]:
-    result = stack.compose("exec", "-T", "proxy", "cat", str(metrics_path(ADAPTER_ROOT, RUN_NAME)), check=False)
+def metrics(stack: Stack, run: str = RUN_NAME) -> list[dict[str, Any]]:
+    result = stack.compose("exec", "-T", "proxy", "cat", str(metrics_path(ADAPTER_ROOT, run)), check=False)
     return metric_rows(result.stdout) if result.returncode == 0 else []
 
 
@@ -203,8 +211,14 @@ def steps(rows: list[dict[str, Any]]) -> list[int]:
     return sorted({int(row["step"]) for row in rows if "step" in row})
 
 
-def last_step(stack: Stack) -> int:
-    return max(steps(metrics(stack)), default=0)
+def trained_steps(rows: list[dict[str, Any]]) -> list[int]:
+    """The steps a run trained, one entry per training row (those with the importance ratio): a step trained twice
+    (a rollout group counted again after an outage) appears twice."""
+    return [int(row["step"]) for row in rows if "ratio" in row]
+
+
+def last_step(stack: Stack, run: str = RUN_NAME) -> int:
+    return max(steps(metrics(stack, run)), default=0)
 
 
 def assert_ratio_in_bounds(rows: list[dict[str, Any]]) -> None:
@@ -214,15 +228,21 @@ def assert_ratio_in_bounds(rows: list[dict[str, Any]]) -> None:
     assert not outside, f"importance ratio left [{1 - RATIO_FAIL}, {1 + RATIO_FAIL}] (doctor FAIL): {ratios}"
 
 
-def every_replica_serves_the_ledger(stack: Stack) -> bool:
-    """Each replica's own list (not the proxy's word) holds every ledger adapter at its path. The trainer keeps
-    publishing (a new version loaded, the oldest unloaded), so a comparison counts only while the ledger stayed the
-    same across all the replicas' answers; a replica that never catches up fails at the caller's deadline."""
+def run_of(path: str) -> str:
+    """The run an adapter belongs to, from its path in the store (ADAPTER_ROOT/runs/<run>/...)."""
+    return path.split("/runs/", 1)[1].split("/", 1)[0]
+
+
+def every_replica_serves_the_ledger(stack: Stack, runs: tuple[str, ...] = (RUN_NAME,)) -> bool:
+    """Each replica's own list (not the proxy's word) holds every ledger adapter at its path, and the ledger holds
+    versions of exactly `runs`. The trainers keep publishing (a new version loaded, the oldest unloaded), so a
+    comparison counts only while the ledger stayed the same across all the replicas' answers; a replica that never
+    catches up fails at the caller's deadline."""
     snapshot = all_ready(stack, stack.plan.replicas)
     if snapshot is None:
         return False
     live = ledger(snapshot)
-    assert len(live) >= 2 and all(f"/runs/{RUN_NAME}/" in path for path in live.values()), live
+    assert len(live) >= 2 * len(runs) and {run_of(path) for path in live.values()} == set(runs), live
     served = {row["Name"]: served_by(stack, row["ID"]) for row in stack.containers(stack.plan.replica_service)}
     if ledger(fleet(stack)) != live:
         return False  # a publish happened meanwhile: ask again
@@ -245,7 +265,9 @@ def wait_back_in_traffic(stack: Stack, host: str, count: int, what: str) -> None
 
 
 def trainer(stack: Stack) -> dict[str, Any]:
-    (row,) = stack.containers(stack.plan.trainer_service, all_states=True)
+    """The stack's own trainer container (not a `make train RUN=...` one-off of the same service)."""
+    (row,) = [row for row in stack.containers(stack.plan.trainer_service, all_states=True)
+              if "com.docker.compose.oneoff=True" not in row.get("Labels", "")]
     return stack.inspect(row["ID"])
 
 
@@ -354,6 +376,102 @@ def test_every_replica_gives_identical_greedy_tokens_and_logprobs(stack: Stack) 
         assert choice["token_ids"] == reference["token_ids"], f"{name} and {first} generate different tokens"
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(
             reference["logprobs"]["token_logprobs"], abs=LOGPROB_ABS), f"{name} and {first} disagree on logprobs"
+
+
+def container_logs(stack: Stack, container: str) -> str:
+    result = stack.docker("logs", container)
+    return result.stdout + result.stderr
+
+
+def started_at(stack: Stack, container: str) -> float:
+    """When the container's main process last started (Docker's State.StartedAt, nanoseconds), as Unix time."""
+    whole, _, fraction = stack.inspect(container)["State"]["StartedAt"].rstrip("Z").partition(".")
+    return datetime.fromisoformat(whole).replace(tzinfo=UTC).timestamp() + float(f"0.{fraction or 0}")
+
+
+def serving_after_start_s(stack: Stack, container: str, model: str, gone_at: float) -> float:
+    """Seconds from the proxy container's process (re)starting after `gone_at` to the first completion the public port
+    answers 200: polled every 50 ms from the host, the container's own start time from Docker."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            answer = httpx.post(stack.plan.public_url + "/v1/completions", timeout=10, json={
+                "model": model, "prompt": "back", "max_tokens": 1}, headers={
+                "Authorization": f"Bearer {stack.plan.api_key}"})
+        except httpx.HTTPError:
+            answer = None
+        if answer is not None and answer.status_code == 200:
+            served = time.time()
+            start = started_at(stack, container)
+            if start > gone_at:  # not the old process's last answer
+                return served - start
+        time.sleep(0.05)
+    raise AssertionError("the public port did not answer a completion within 600 s of the proxy's return")
+
+
+def test_two_runs_train_through_the_proxy_killed_and_a_minute_without_a_fleet(stack: Stack) -> None:
+    """A second run (`make train RUN=b`: its own key, mounted into its trainer alone) trains with the stack's own.
+    The proxy container's main process is killed (Docker restarts it), then the proxy is stopped for a minute and
+    started: both trainers wait (logged), neither exits nor is restarted, both train on with every step once and in
+    order, and the ledger the proxy restored and every replica's own list agree. How soon the fleet serves after the
+    proxy's process is back is measured (results/stack/proxy-outage.json, README "The proxy gone")."""
+    second = f"lorafleet-train-{SECOND_RUN}"
+    containers = {RUN_NAME: lambda: trainer(stack), SECOND_RUN: lambda: stack.inspect(second)}
+    (proxy,) = stack.containers("proxy")
+    model = base_model(stack)
+
+    def both_training() -> bool:
+        for run, state in containers.items():
+            assert state()["State"]["Running"], f"run {run}'s trainer ended: {state()['State']}"
+        return True
+
+    def train_on(what: str, steps_after: int = 2) -> None:
+        reached = {run: last_step(stack, run) for run in containers}
+        wait_for(lambda: all(last_step(stack, run) >= reached[run] + steps_after for run in containers),
+                 f"both runs training {what}", 900, every_s=5, alive=both_training)
+
+    stack.make("train", f"RUN={SECOND_RUN}", timeout_s=300)
+    try:
+        wait_for(lambda: last_step(stack, SECOND_RUN) >= 1, f"run {SECOND_RUN}'s first step", 900, every_s=5,
+                 alive=both_training)
+        restarts = {run: state()["RestartCount"] for run, state in containers.items()}
+        proxy_restarts = stack.inspect(proxy["ID"])["RestartCount"]
+
+        # A crash, not `docker kill` (a manual stop, which Docker does not restart): the proxy's main process dies.
+        killed_at = time.time()
+        os.kill(stack.inspect(proxy["ID"])["State"]["Pid"], 9)
+        after_kill_s = serving_after_start_s(stack, proxy["ID"], model, killed_at)
+        assert stack.inspect(proxy["ID"])["RestartCount"] == proxy_restarts + 1
+        train_on("after the proxy was killed")
+
+        stack.compose("stop", "proxy", timeout_s=120)
+        stopped_at = time.time()
+        time.sleep(OUTAGE_S)
+        assert both_training()
+        stack.compose("start", "proxy", timeout_s=120)
+        after_stop_s = serving_after_start_s(stack, proxy["ID"], model, stopped_at)
+        train_on("after a minute without a fleet")
+        assert {run: state()["RestartCount"] for run, state in containers.items()} == restarts, \
+            "a trainer was restarted: it died waiting for the fleet"
+        wait_for(lambda: every_replica_serves_the_ledger(stack, (RUN_NAME, SECOND_RUN)),
+                 "every replica serving both runs' ledger adapters", 300)
+
+        stack.docker("stop", "--time", "300", second, timeout_s=400)  # parked: its adapters stay served
+        assert stack.inspect(second)["State"]["ExitCode"] == 0, stack.inspect(second)["State"]
+        logs = {run: container_logs(stack, state()["Id"]) for run, state in containers.items()}
+    finally:
+        stack.docker("rm", "--force", second, check=False)
+    for run in containers:
+        logged = trained_steps(metrics(stack, run))
+        assert logged == list(range(logged[0], logged[0] + len(logged))), f"run {run}: steps repeated or skipped: " \
+            f"{logged}"
+        assert "waiting for the fleet" in logs[run] or "Retrying" in logs[run], f"run {run} did not log its wait"
+    figures = {"outage_s": OUTAGE_S, "serving_after_kill_s": round(after_kill_s, 2),
+               "serving_after_stop_s": round(after_stop_s, 2), "profile": stack.plan.profile}
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "proxy-outage.json").write_text(json.dumps(figures, indent=2) + "\n")
+    print(f"\nthe fleet served {after_kill_s:.2f} s after the killed proxy's process was back, "
+          f"{after_stop_s:.2f} s after the stopped one was started again")
 
 
 def test_stopping_the_trainer_checkpoints_and_starting_it_resumes(stack: Stack) -> None:

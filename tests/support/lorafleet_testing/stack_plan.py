@@ -131,16 +131,17 @@ def cpu_layout(cores: int, replicas: int) -> tuple[str, ...]:
 
 
 def gpu_settings() -> dict[str, str]:
-    """A math-recipe run on the real model, one adapter version per step, until the test stops it."""
-    return {"TRAINER_TASK": "math", "MAX_MODEL_LEN": "1024", "MAX_COMPLETION_LENGTH": "256",
+    """A math-recipe run on the real model, one adapter version per step, until the test stops it; room for a second
+    run (`make train RUN=b`, the proxy-outage step)."""
+    return {"TRAINER_TASK": "math", "FLEET_MAX_RUNS": "2", "MAX_MODEL_LEN": "1024", "MAX_COMPLETION_LENGTH": "256",
             "NUM_GENERATIONS": "4", "TOKEN_BUDGET": "0", "TRAIN_BATCH_SIZE": "8", "GRADIENT_ACCUMULATION_STEPS": "1",
             "WEIGHT_SYNC_STEPS": "1", "SAVE_STEPS": "3", "MAX_STEPS": "1000", "VLLM_GPU_MEMORY_UTILIZATION": "0.6"}
 
 
 def cpu_settings() -> dict[str, str]:
     """The cpu profile's own defaults (tiny model and recipe, float32: replicas agree to ~1e-6), a run that lasts
-    until the test stops it, and a checkpoint every few steps."""
-    return {"MAX_STEPS": "1000", "SAVE_STEPS": "3"}
+    until the test stops it, a checkpoint every few steps, and room for a second run (the proxy-outage step)."""
+    return {"MAX_STEPS": "1000", "SAVE_STEPS": "3", "FLEET_MAX_RUNS": "2"}
 
 
 def unique_project() -> str:
