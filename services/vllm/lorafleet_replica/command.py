@@ -80,7 +80,12 @@ def build_launch(settings: Settings, device: str | None) -> Launch:
         if device is None:
             raise ValueError("CPU mode needs a core set to bind vLLM's threads to")
         env["VLLM_CPU_OMP_THREADS_BIND"] = device
-        argv += ["--kv-cache-memory-bytes", str(settings.vllm_cpu_kv_cache_bytes)]
+        # TRL's rollout worker seeds every completion. vLLM rewinds a seeded request's generator after a step that
+        # prefilled only part of its prompt, and a CPU torch.Generator has no offset to rewind: the engine core died
+        # (`CPU Generator does not use offset`, vllm/v1/worker/gpu_model_runner.py) on the first seeded prompt that
+        # did not fit the rest of a step's token budget. Without chunked prefill a prompt is prefilled in one step
+        # (vLLM raises the budget to the context length); CUDA generators rewind, so GPU replicas keep it.
+        argv += ["--kv-cache-memory-bytes", str(settings.vllm_cpu_kv_cache_bytes), "--no-enable-chunked-prefill"]
         if settings.vllm_cpu_executor == "uni":
             # vLLM's CPU platform swaps `uni` for its multiprocess executor unless V1 multiprocessing is off
             # (vllm/platforms/cpu.py). `vllm serve` keeps its engine core in a process of its own either way
