@@ -34,9 +34,9 @@ async def test_seeded_prompts_past_one_steps_token_budget_leave_the_replica_serv
     step's token budget: every one answered, the replica still healthy."""
     replica = shared_replicas[0]
     async with VLLMClient(replica.url, timeout=120) as client:
-        info = await client.server_info()
-        assert info.raw["vllm_config"]["scheduler_config"]["enable_chunked_prefill"] is False
-        budget = info.raw["vllm_config"]["scheduler_config"]["max_num_batched_tokens"]
+        scheduler = (await client.server_info()).raw["vllm_config"]["scheduler_config"]
+        assert scheduler["enable_chunked_prefill"] is False
+        budget = scheduler["max_num_batched_tokens"]
         base = next(card.id for card in await client.models() if card.parent is None)
         prompt_len = int(replica_env["MAX_MODEL_LEN"]) - 8
         count = budget // prompt_len + 4

