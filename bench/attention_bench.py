@@ -1,14 +1,15 @@
 """Training attention kernels on a GRPO tree-packed micro-batch: forward + backward time per layer.
 
 Reproduces the README's kernel table on a CUDA GPU (`make bench-attention`, or
-`python bench/attention_bench.py --out results/bench-attention.json`): Qwen2.5-1.5B attention
+`python bench/attention_bench.py --out bench/results/bench-attention.json`): Qwen2.5-1.5B attention
 shapes (12 query heads, 2 key/value heads, head dim 128), bf16, one micro-batch of 2 prompts x 8
 completions laid out exactly as TRL's `TreeRow.pack` lays it out (14,484 query tokens, 19,284 key
 tokens), keys and values gathered through `tree_kv_index` as TRL's `tree_attention` does. Each
 kernel runs 2 warm-ups then 5 timed forward+backward passes; 28 layers = 28 x one layer.
 
-Needs only torch (and the trainer's `lorafleet_trainer.attention`), not TRL: it runs on a GPU
-machine without TRL, vLLM or a package registry (PYTHONPATH=services/trainer).
+Needs only torch (and the trainer's `lorafleet_trainer.attention`, the run record of `lorafleet_ops.docsite.record`),
+not TRL: it runs on a GPU machine without TRL, vLLM or a package registry
+(`PYTHONPATH=ops:services/trainer python bench/attention_bench.py`; the .venv has both packages installed).
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "trainer"))
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record
 from lorafleet_trainer.attention import KERNELS, torch_varlen_attn
 
 HEADS_Q, HEADS_KV, HEAD_DIM, LAYERS = 12, 2, 128, 28  # Qwen2.5-1.5B
@@ -111,7 +111,7 @@ def time_kernel(kernel: str, tree: Tree, warmups: int = 2, repeats: int = 5) -> 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("results/bench-attention.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/bench-attention.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("attention_bench: needs a CUDA GPU (this machine has none)", file=sys.stderr)
@@ -126,6 +126,7 @@ def main() -> int:
             diff = (tree_attention("builtin", tree, q, k, v).float()
                     - tree_attention("torch", tree, q, k, v).float()).abs().max().item()
     report = {
+        RECORD_KEY: run_record(),
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
         "dtype": "bfloat16", "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM,
         "query_tokens": tree.tokens, "key_tokens": int(tree.kv_index.numel()), "segments": len(tree.cu_q) - 1,

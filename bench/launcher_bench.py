@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import requests
+from trainer_bench import build_workload, environment, start_standin, step_metrics  # a sibling (bench/)
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from trainer_bench import build_workload, environment, start_standin, step_metrics  # noqa: E402
 
 GPU_RUNS = {"fsdp2-1rank": {"TRAINER_SHARDING": "fsdp2", "TRAINER_GPUS": "0"},
             "auto-1process": {"TRAINER_SHARDING": "auto", "TRAINER_GPUS": "0"}}
@@ -151,7 +150,7 @@ def table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="results/bench-launcher.json")
+    parser.add_argument("--out", default="bench/results/bench-launcher.json")
     parser.add_argument("--work", default="results/bench-launcher-work")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke: tiny model, 2 DDP ranks vs one process")
     parser.add_argument("--steps", type=int, default=8)

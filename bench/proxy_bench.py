@@ -10,7 +10,7 @@ For each routing mode it reports the router's affinity / spilled / unmatched fra
 cache hit rate the fake replicas actually saw, requests/s and latency; the same trace sent straight
 to the replicas (round robin) gives the latency the proxy adds. Writes JSON to --out.
 
-    .venv/bin/python bench/proxy_bench.py --out results/bench-proxy.json
+    .venv/bin/python bench/proxy_bench.py --out bench/results/bench-proxy.json
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from lorafleet.processes import free_port, script
+from lorafleet.ports import free_port
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.processes import script
 from lorafleet_proxy.router import Router
 from lorafleet_testing.fakes import FakeReplica, start_server
 
@@ -270,7 +272,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-proxy.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "bench-proxy.json")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=600, help="GRPO groups (prompts) in the trace")
     parser.add_argument("--rollouts", type=int, default=8, help="rollouts per prompt, sent concurrently")
@@ -301,7 +303,7 @@ def main() -> None:
         args.adapter_root = root
         result = asyncio.run(bench(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(json.dumps({RECORD_KEY: run_record(), **result}, indent=2) + "\n")
     print(json.dumps(result["summary"], indent=2))
     for mode, row in result["modes"].items():
         print(f"{mode:>13}: unmatched {row['unmatched_frac']:.1%} affinity {row['affinity_frac']:.1%} "

@@ -14,7 +14,7 @@ bound to core 0:
 - neighbour boot: a second replica on the SAME core booting while the first serves the light traffic (scale-out or
   a crash restart on a shared machine); null when it was not healthy within --neighbour-timeout.
 
-    .venv/bin/python bench/replica_cpu_bench.py --out results/bench-replica.json
+    .venv/bin/python bench/replica_cpu_bench.py --out bench/results/bench-replica.json
 
 `--variant NAME=EXECUTOR[:VAR=VALUE,...]` adds a configuration measured beside mp and uni in the same rounds (its
 variables on top of the replica's environment), e.g. uni as it ran before its OpenMP threads were bound:
@@ -36,8 +36,9 @@ from typing import Any
 
 import httpx
 import psutil
-from lorafleet.processes import Service, replica_service, wait_healthy
-from lorafleet.tiny import make_tiny_model
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.processes import Service, replica_service, wait_healthy
+from lorafleet_ops.tiny_model import make_tiny_model
 from lorafleet_testing.traffic import Traffic
 
 MODES = ("mp", "uni")
@@ -171,7 +172,7 @@ def parse_variant(text: str) -> tuple[str, tuple[str, dict[str, str]]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("results/bench-replica.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/bench-replica.json"))
     parser.add_argument("--window", type=float, default=10.0, help="seconds per CPU / throughput window")
     parser.add_argument("--rounds", type=int, default=1, help="mp, uni alternated this many times")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds the first replica may take to boot")
@@ -193,7 +194,7 @@ def main() -> int:
             print(f"round {round_index + 1}/{args.rounds}: {mode} ...", flush=True)
             rounds[mode].append(run_mode(mode, env, work / "logs", args))
             print(f"  {mode}: {json.dumps(rounds[mode][-1])}", flush=True)
-    result = {"machine": {"cpus": psutil.cpu_count(), "core_set": "0 (both replicas)"},
+    result = {RECORD_KEY: run_record(), "core_set": "0 (both replicas)",
               "light_traffic_every_s": LIGHT_EVERY_S, "window_s": args.window,
               "configs": {mode: {"executor": executor, "env": extra}
                           for mode, (executor, extra) in args.configs.items()},

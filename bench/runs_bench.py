@@ -1,5 +1,5 @@
 """Several runs saturating one fleet (issue 24): throughput share per run against its weight, queue wait, and
-the fleet's total against a single run alone, side by side in one process; writes results/bench-runs.json.
+the fleet's total against a single run alone, side by side in one process; writes bench/results/bench-runs.json.
 
 Two fake replicas (lorafleet_testing.fakes in tests/support: real HTTP, an engine that runs `--window` completions
 at once, each taking `--latency-s` and generating 3 tokens) behind the real proxy app with
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 import httpx
 from lorafleet.settings import load_settings
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record
 from lorafleet_proxy.app import create_app
 from lorafleet_testing.fakes import FakeReplica, start_server
 from prometheus_client.parser import text_string_to_metric_families
@@ -159,7 +159,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-runs.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "bench-runs.json")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--latency-s", type=float, default=0.2, help="time one fake completion takes")
     parser.add_argument("--window", type=int, default=4, help="PROXY_FAIR_INFLIGHT_PER_REPLICA")
@@ -168,7 +168,7 @@ async def main() -> None:
     results = [await scenario(name, runs, args.seconds, args.latency_s, args.window, args.warmup_s)
                for name, runs in SCENARIOS.items()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "latency_s": args.latency_s,
+    args.out.write_text(json.dumps({RECORD_KEY: run_record(), "latency_s": args.latency_s,
                                     "window_per_replica": args.window, "replicas": 2, "results": results}, indent=1))
     print(table(results))
     print(f"\nwritten: {args.out}")

@@ -10,7 +10,7 @@ version that left the window, as TRL's adapter-only sync does) and another kills
 Writes JSON to --out: requests sent, client-visible failures (goal 0) by status, proxy RSS and open
 file descriptors after warm-up and at the end, and the time from each replica restart to ready.
 
-    .venv/bin/python bench/soak.py --out results/soak.json
+    .venv/bin/python bench/soak.py --out bench/results/soak.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from typing import Any
 
 import httpx
 from lorafleet.adapters import adapter_dir
-from lorafleet.processes import free_port, rss_mib, script
+from lorafleet.ports import free_port
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.processes import rss_mib, script
 from lorafleet_testing.fakes import FakeReplica, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,7 +228,7 @@ async def soak(args: argparse.Namespace, replicas: Replicas, proxy: subprocess.P
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "soak.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
     parser.add_argument("--requests", type=int, default=30_000)
     parser.add_argument("--max-duration-s", type=float, default=300.0)
     parser.add_argument("--concurrency", type=int, default=48)
@@ -255,7 +257,8 @@ def main() -> None:
             replicas.start(index)
         proxy = subprocess.Popen([script("lorafleet-proxy")], env=env, cwd=tmp)
         try:
-            report = asyncio.run(soak(args, replicas, proxy, f"http://127.0.0.1:{port}", root))
+            measured = asyncio.run(soak(args, replicas, proxy, f"http://127.0.0.1:{port}", root))
+            report = {RECORD_KEY: run_record(), **measured}
         finally:
             proxy.send_signal(signal.SIGTERM)
             proxy.wait(10)

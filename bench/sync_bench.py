@@ -17,7 +17,7 @@ replica, asked directly, completes a request naming the new version). Control wi
 length just before each sync give the same figures without a sync (the box's own noise). Throughput: rollouts
 finished and tokens streamed per second over each phase's span, syncs included.
 
-    .venv/bin/python bench/sync_bench.py --out results/bench-sync.json
+    .venv/bin/python bench/sync_bench.py --out bench/results/bench-sync.json
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from typing import Any
 
 import httpx
 from lorafleet.adapters import adapter_dir, lora_dir, policy_name
-from lorafleet.processes import Service, proxy_service, replica_service, wait_healthy
 from lorafleet.vllm_api import metric_total
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.processes import Service, proxy_service, replica_service, wait_healthy
 
 MODES = ("broadcast", "elide")
 UPSTREAM_HEADER = "X-Proxy-Upstream"  # the replica the proxy routed a request to
@@ -348,7 +349,7 @@ def run_mode(mode: str, replicas: list[Service], publisher: Publisher, work: Pat
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("results/bench-sync.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/bench-sync.json"))
     parser.add_argument("--work", type=Path, default=Path("results/bench-sync-work"))
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--syncs", type=int, default=6, help="adapters published per phase (K)")
@@ -373,7 +374,7 @@ def main() -> int:
     except PermissionError:
         print(f"cannot set priority {args.nice}; measuring at the default priority", file=sys.stderr)
 
-    from lorafleet.tiny import make_tiny_model
+    from lorafleet_ops.tiny_model import make_tiny_model
 
     work = args.work.resolve()
     model = make_tiny_model(work / "tiny")
@@ -384,7 +385,8 @@ def main() -> int:
         print(f"==> replicas with VLLM_CPU_EXECUTOR={executor}", flush=True)
         every[executor] = run_executor(executor, model, work, args, context)
     first = every[executors[0]]
-    result = {"config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+    result = {RECORD_KEY: run_record(),
+              "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
               "modes": {mode: summarize(phases) for mode, phases in first.items()},
               "executors": {executor: {"modes": {mode: summarize(phases) for mode, phases in runs.items()}}
                             for executor, runs in every.items()}}

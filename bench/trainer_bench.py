@@ -3,7 +3,7 @@
 `make bench-trainer` (an H200 or any CUDA GPU) runs the project's own trainer path: settings with the `math`
 recipe's defaults (G=8, LoRA r=1 alpha 2 all-linear, token budget 16,384 x 6 accumulation steps, completions up
 to 3,000 tokens), `build_configs`, the attention backend choice, `build_trainer` (TRL 1.16's AsyncGRPOTrainer +
-PEFT, and lorafleet's fast step: lorafleet_trainer/fast_step.py), bf16 mixed precision, on the Qwen2.5-Math-1.5B
+PEFT, and lorafleet's fast step: lorafleet_trainer/fast_step/), bf16 mixed precision, on the Qwen2.5-Math-1.5B
 architecture (`trainer_shape.QWEN25_MATH_1_5B`, config written offline, random weights: no Hub). Generation is
 `vllm_standin.py`, a test double speaking the vLLM routes TRL calls that answers at once, so the figures are the
 trainer's alone, never starved by generation.
@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import queue
 import random
 import shutil
@@ -45,10 +44,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from lorafleet.ports import free_port
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from trainer_shape import QWEN25_MATH_1_5B, TINY, qwen2_config  # a sibling: Python puts bench/ first on sys.path
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from lorafleet.processes import free_port  # noqa: E402
-from trainer_shape import QWEN25_MATH_1_5B, TINY, qwen2_config  # noqa: E402
 
 REFERENCE = {"fwd_bwd_s": 4.6, "step_s": 4.8, "mfu_fwd_bwd": 23.5, "source": "published reference deployment, run 5"}
 # issue 35: at the reference shape on one H200, without gradient checkpointing
@@ -59,7 +59,7 @@ GIB = 1024**3
 @dataclass(frozen=True)
 class BenchConfig:
     """One configuration of the trainer, as settings (the names lorafleet-train reads), the fast step's levers
-    (lorafleet_trainer.fast_step.StepOptions) and the bench's step counts."""
+    (lorafleet_trainer.fast_step.options.StepOptions) and the bench's step counts."""
 
     name: str
     attention: str = "builtin"
@@ -83,7 +83,7 @@ class BenchConfig:
                 "token_budget": self.token_budget, "gradient_accumulation_steps": self.gradient_accumulation_steps}
 
     def step(self) -> Any:
-        from lorafleet_trainer.fast_step import StepOptions
+        from lorafleet_trainer.fast_step.options import StepOptions
 
         return StepOptions(prefetch=self.prefetch, sync_free_loss=self.sync_free_loss, fused_lora=self.fused_lora,
                            liger=self.liger, packing=self.packing, switch_interval_s=self.switch_interval_s)
@@ -120,7 +120,7 @@ TINY_EXTRA = [BenchConfig("tiny-trl-step", **TINY_BENCH)]
 def build_workload(work: Path, tiny: bool) -> dict[str, Any]:
     """Model dir (config + random weights + the offline tokenizer) and a problem/solution JSONL, built once."""
     import torch
-    from lorafleet.tiny import WORDS, build_tokenizer
+    from lorafleet_ops.tiny_model import WORDS, build_tokenizer
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
     shape = TINY if tiny else QWEN25_MATH_1_5B
@@ -432,17 +432,12 @@ def run_one(config: BenchConfig, workload: dict[str, Any], url: str, work: Path,
 
 
 def environment() -> dict[str, Any]:
-    import importlib.metadata as md
-
-    import torch
-
-    versions = {name: md.version(name) for name in ("torch", "transformers", "trl", "peft", "accelerate")}
-    try:
-        versions["liger_kernel"] = md.version("liger-kernel")
-    except md.PackageNotFoundError:
-        versions["liger_kernel"] = None
-    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "python": platform.python_version(), **versions}
+    """The shared run record (lorafleet_ops.docsite.record), plus the flat fields `table` prints from."""
+    record = run_record()
+    versions, gpus = record["versions"], record["machine"]["gpus"]
+    return {RECORD_KEY: record, "gpu": gpus[0] if gpus else None, "python": versions["python"],
+            **{name: versions.get(name) for name in ("torch", "transformers", "trl", "peft", "accelerate")},
+            "liger_kernel": versions.get("liger-kernel")}
 
 
 # --- the fast step computes TRL's loss: one fixed micro-batch through both paths ---------------------------------
@@ -655,7 +650,8 @@ def _levers(result: dict[str, Any]) -> str:
 
 
 def table(report: dict[str, Any]) -> str:
-    """The README's tables, from the JSON: the configurations, the profiles, the equivalence check."""
+    """The tables printed after a run (and by --table), from the JSON: the configurations, the profiles, the
+    equivalence check. The docs page renders the same JSON itself."""
     liger = f", Liger-Kernel {report['liger_kernel']}" if report.get("liger_kernel") else ""
     lines = [
         f"`{report['command']}` on {report['gpu']}, {report['date']} (torch {report['torch']}, transformers "
@@ -740,7 +736,7 @@ def _fmt_int(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="results/bench-trainer.json")
+    parser.add_argument("--out", default="bench/results/bench-trainer.json")
     parser.add_argument("--work", default="results/bench-trainer-work", help="model, data and run folders")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke: tiny model, the pure-PyTorch kernel")
     parser.add_argument("--configs", default="", help="comma-separated configuration names (default: all)")

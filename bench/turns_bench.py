@@ -25,7 +25,7 @@ longest common prefix with the previous prompt + reply, in whole KV blocks), and
 previous prompt (and reply tokens) as a prefix. Plus throughput and per-turn latency, and the proxy's own
 routing outcomes (/fleet). Goal: affinity's hit rate >= 0.90x the single replica's.
 
-    .venv/bin/python bench/turns_bench.py --out results/bench-turns.json [--episodes 24 --rounds 2 --turns 5]
+    .venv/bin/python bench/turns_bench.py --out bench/results/bench-turns.json [--episodes 24 --rounds 2 --turns 5]
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ from hotpath_bench import (
     started,
     tiny_replicas,
 )
-from lorafleet.tiny import MODEL_MARKER, WORDS
 from lorafleet.vllm_api import ServerInfo
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.tiny_model import MODEL_MARKER, WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("affinity", "round_robin", "single")
@@ -386,7 +387,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-turns.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "bench-turns.json")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--episodes", type=int, default=24, help="episodes at once")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of fresh episodes per mode")
@@ -407,8 +408,9 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="turns-bench-") as tmp:
         result = bench(args, Path(tmp))
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"turns written to {args.out}\n\nREADME figures:\n" + markdown(result), flush=True)
+    args.out.write_text(json.dumps({RECORD_KEY: run_record(), **result}, indent=2) + "\n")
+    print(f"turns written to {args.out}\n\nFigures (docs/benchmarks/turns.md renders them from the JSON):\n"
+          + markdown(result), flush=True)
 
 
 if __name__ == "__main__":

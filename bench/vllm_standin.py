@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 from trainer_shape import PUBLISHED_LENGTHS, TINY_LENGTHS, Lengths
 
-FIRST_ORDINARY_ID = 4  # the bench tokenizer's special tokens come first (lorafleet.tiny.SPECIAL_TOKENS)
+FIRST_ORDINARY_ID = 4  # the bench tokenizer's special tokens come first (lorafleet_ops.tiny_model.SPECIAL_TOKENS)
 
 
 def error(status: int, message: str, kind: str) -> web.Response:

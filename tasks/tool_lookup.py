@@ -5,9 +5,9 @@ episode is won when the model looks the asked animal up (TRL runs the call and h
 message); looking up another animal is half a win; calling nothing is none. So `tools/call_frequency` and the reward
 rise together when the policy learns to call.
 
-On the tiny model (`lorafleet make-tiny-model DIR`) every call is one token (`lorafleet.tiny.TOOL_CALLS`, one per
-animal), emitted at ~6% after the tools block, and one LoRA rank raises all four. A rank-1 adapter cannot tell the
-prompts apart (the tiny model's last hidden state barely depends on them), so it learns to call, not whom to call:
+On the tiny model (`lorafleet make-tiny-model DIR`) every call is one token (`lorafleet.tiny_vocabulary.TOOL_CALLS`,
+one per animal), emitted at ~6% after the tools block, and one LoRA rank raises all four. A rank-1 adapter cannot tell
+the prompts apart (the tiny model's last hidden state barely depends on them), so it learns to call, not whom to call:
 in an offline GRPO replay of these defaults (30 steps of 4 groups of 8) calls went from ~6% of episodes to ~65% and
 the mean reward from ~0.04 to ~0.4 (0.65 x (1/4 x 1.0 + 3/4 x 0.5)), most of it within 10 steps.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.settings import ConfigError
-from lorafleet.tiny import MODEL_MARKER, TOOL_CALLS, TOOL_KEYS, TOOL_NAME
+from lorafleet.tiny_vocabulary import MODEL_MARKER, TOOL_CALLS, TOOL_KEYS, TOOL_NAME
 from lorafleet_trainer.tasks.builtin.tiny import defaults as TINY_DEFAULTS
 
 COLOURS = {"fox": "red", "owl": "white", "bee": "gold", "cow": "black"}

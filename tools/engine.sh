@@ -102,7 +102,7 @@ stop() {
   fi
 }
 
-# The oldest versions the stack runs on (README, "Running the stack"): Engine 20.10 is Debian 12's docker.io;
+# The oldest versions the stack runs on (docs/guides/gpu-stack.md#what-you-need): Engine 20.10 is Debian 12's docker.io;
 # Compose 2.24 is the first to read `env_file` entries with `required: false`.
 MIN_ENGINE=20.10
 MIN_COMPOSE=2.24

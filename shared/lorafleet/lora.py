@@ -12,10 +12,10 @@ import os
 import re
 from typing import Any
 
-from lorafleet.settings import Settings
+from lorafleet.settings import CommonSettings
 
 
-def build_lora_config(settings: Settings) -> Any:
+def build_lora_config(settings: CommonSettings) -> Any:
     """The trainer's PEFT LoraConfig as the settings define it (rank, alpha, all-linear)."""
     from peft import LoraConfig
 
@@ -23,7 +23,7 @@ def build_lora_config(settings: Settings) -> Any:
                       lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
 
 
-def adapter_rank(settings: Settings, peft_config: Any = None) -> int:
+def adapter_rank(settings: CommonSettings, peft_config: Any = None) -> int:
     """The rank vLLM must serve: PEFT's `r` raised by any `rank_pattern` entry, else LORA_RANK."""
     if peft_config is None:
         return settings.lora_rank

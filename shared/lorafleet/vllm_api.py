@@ -1,4 +1,5 @@
-"""A typed async client for the vLLM 0.31 endpoints lorafleet uses (runtime LoRA, dev mode, /server_info).
+"""A typed async client for the vLLM endpoints lorafleet uses (runtime LoRA, dev mode, /server_info); the same on
+every supported vLLM, 0.26 to 0.31 (lorafleet.vllm_compat checks a replica has them).
 
 Errors keep vLLM's own status and message, so callers (the proxy above all) can relay them
 unchanged or act on them: "No adapter found" is a lagging volume, "has already been loaded" is
@@ -176,6 +177,17 @@ class VLLMClient:
         except VLLMError:
             return False
         return True
+
+    async def version(self) -> str:
+        """`/version`: the vLLM version string, e.g. "0.31.0" or "0.26.0+cpu"."""
+        return str((await self.request("GET", "/version")).json()["version"])
+
+    async def openapi(self) -> dict[str, Any]:
+        """`/openapi.json`: FastAPI's document of the routes this server mounted (lorafleet.vllm_compat reads it)."""
+        document = (await self.request("GET", "/openapi.json")).json()
+        if not isinstance(document, dict):
+            raise ValueError("/openapi.json is not a JSON object")
+        return document
 
     async def server_info(self) -> ServerInfo:
         response = await self.request("GET", "/server_info", params={"config_format": "json"})

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lorafleet.settings import Settings
+from lorafleet.settings import StackSettings
 from lorafleet_testing.compose_helpers import COMPOSE_FILE, REPO, REQUIRED_SECRET_VALUE, EnvFileMaker
 
 ALL_INTERFACES = {"", "0.0.0.0", "::", "[::]", "*"}
@@ -37,8 +37,8 @@ def fleet_port_exposures(project: dict[str, Any]) -> list[str]:
     """Every way the rendered project lets something other than proxy and trainer reach the fleet port."""
     problems = []
     proxy = project["services"]["proxy"]
-    fleet_port = int(proxy["environment"].get("PROXY_PORT", Settings.model_fields["proxy_port"].default))
-    host = proxy["environment"].get("PROXY_FLEET_HOST", Settings.model_fields["proxy_fleet_host"].default)
+    fleet_port = int(proxy["environment"].get("PROXY_PORT", StackSettings.model_fields["proxy_port"].default))
+    host = proxy["environment"].get("PROXY_FLEET_HOST", StackSettings.model_fields["proxy_fleet_host"].default)
     if proxy.get("network_mode"):
         problems.append(f"the proxy uses network_mode {proxy['network_mode']}")
     if host in ALL_INTERFACES:
@@ -115,8 +115,9 @@ RUN_KEYS_MOUNT = "/run/lorafleet/run-keys"
 
 
 def run_key_mounts(project: dict[str, Any]) -> list[str]:
-    """The run keys (README "Run keys"): the directory of hashes in the proxy alone, read-only, where RUN_KEYS_DIR
-    points; the keys themselves in no service of the stack (`make train RUN=b` mounts b's into its trainer alone)."""
+    """The run keys (docs/guides/security.md#run-keys): the directory of hashes in the proxy alone, read-only, where
+    RUN_KEYS_DIR points; the keys themselves in no service of the stack (`make train RUN=b` mounts b's into its
+    trainer alone)."""
     problems = []
     for name, svc in project["services"].items():
         for volume in svc.get("volumes") or []:
@@ -143,7 +144,7 @@ def test_run_keys_are_on_in_the_stack_and_only_the_proxy_sees_their_hashes(proje
 def test_make_train_hands_a_run_its_own_key_file_and_nothing_else() -> None:
     dry = subprocess.run(["make", "-n", "train", "RUN=b", "CPU=1"], cwd=REPO, capture_output=True, text=True,
                          timeout=30, check=True).stdout
-    assert "-m lorafleet.run_keys b --dir run-keys/hashes --key-file run-keys/keys/b.key" in dry
+    assert "-m lorafleet_ops.commands.run_key b --dir run-keys/hashes --key-file run-keys/keys/b.key" in dry
     assert f"-v {REPO}/run-keys/keys/b.key:/run/secrets/lorafleet-run-key:ro" in dry
     assert "-e TRAINER_RUN_KEY_FILE=/run/secrets/lorafleet-run-key" in dry
     assert dry.count("run-keys/") == 4, dry  # the test, the key's making (hashes, key), the one mount

@@ -1,9 +1,10 @@
 """compose.yaml, validated by the real Compose v2 CLI and the compose-spec schema, and checked for the stack's rules.
 
-The rules (DESIGN.md, issue 5): replicas are never published; the proxy's public port is on 127.0.0.1 only;
-`adapters` is mounted at the same absolute path everywhere (rw trainer, ro replicas and proxy); GPUs are reserved
-for replicas and trainer; every long-running service has a healthcheck; the trainer starts after a healthy proxy;
-required secrets fail fast; the cpu profile runs the same topology without GPUs.
+The rules (docs/concepts/architecture.md#topology): replicas are never published; the proxy's public port is on
+127.0.0.1 only; `adapters` is mounted at the same absolute path everywhere (ro replicas and proxy); a trainer mounts
+only its own run's directory of it (rw) and its models (ro); the fleet volume is the proxy's alone; GPUs
+are reserved for replicas and trainer; every long-running service has a healthcheck; the trainer starts after a
+healthy proxy; required secrets fail fast; the cpu profile runs the same topology without GPUs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import subprocess
 from typing import Any
 
 import pytest
-from lorafleet.settings import Settings
+from lorafleet.settings import StackSettings
 from lorafleet_testing.compose_helpers import (
     COMPOSE_FILE,
     REPO,
@@ -59,7 +60,7 @@ def gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def default_of(field: str) -> str:
-    return str(Settings.model_fields[field].default)
+    return str(StackSettings.model_fields[field].default)
 
 
 # --- the CLI and the schema accept the file ----------------------------------------------------------------------
@@ -192,13 +193,13 @@ def test_trainer_and_model_fetch_can_download_models(project: dict) -> None:
 def test_adapters_is_mounted_at_the_same_path_everywhere_with_the_right_modes(render: RenderFn, root: str) -> None:
     project = render(ADAPTER_ROOT=root)
     expected_root = root or default_of("adapter_root")
-    # The trainer, and the one-shots that lay out the store, build the cpu profile's tiny model into it and write the
-    # doctor's probe adapter; model-fetch only reads it (a local BASE_MODEL under ADAPTER_ROOT).
-    writers = {"trainer", "store-init", "tiny-model", "doctor", "doctor-cpu"}
+    # The one-shots that lay out the store, build the cpu profile's tiny model into it and write the doctor's probe
+    # adapter; model-fetch only reads it (a local BASE_MODEL under ADAPTER_ROOT). Trainers mount parts of it (below).
+    writers = {"store-init", "tiny-model", "doctor", "doctor-cpu"}
     long_running = [n for n, s in project["services"].items() if role(s) != "one-shot"]
     for name, svc in project["services"].items():
         adapters = mounts(svc, "adapters")
-        if role(svc) in ("one-shot", "monitoring") and not adapters:
+        if role(svc) in ("one-shot", "monitoring", "trainer") and not adapters:
             continue
         assert len(adapters) == 1, f"{name} mounts adapters {len(adapters)} times"
         (mount,) = adapters
@@ -209,11 +210,45 @@ def test_adapters_is_mounted_at_the_same_path_everywhere_with_the_right_modes(re
             assert svc["environment"]["ADAPTER_ROOT"] == expected_root, f"{name} looks for adapters elsewhere"
 
 
-def test_fleet_state_is_writable_inside_the_read_only_store(project: dict) -> None:
+@pytest.mark.parametrize(("run", "root"), [(None, None), ("b", "/srv/lorafleet-store")])
+def test_a_trainer_mounts_only_its_own_run_and_the_models(render: RenderFn, run: str | None, root: str | None) -> None:
+    """Issue 47: no trainer holds the whole store; it gets its run's directory (rw) and the models (ro), binds of the
+    adapters volume's directory on the engine's host (ADAPTERS_DIR), at their place under ADAPTER_ROOT; the run it
+    mounts is the run it trains (RUN_NAME), and store-init makes both directories before it starts."""
+    store = "/engine/volumes/lorafleet_adapters/_data"
+    project = render(RUN_NAME=run, ADAPTER_ROOT=root, ADAPTERS_DIR=store)
+    run, root = run or default_of("run_name"), root or default_of("adapter_root")
+    trainers = services_by_role(project, "trainer")
+    assert set(trainers) == {"trainer", "trainer-cpu"}
+    for name, svc in trainers.items():
+        volumes = svc["volumes"]
+        assert not [v for v in volumes if v.get("source") in ("adapters", "fleet", "claims")], f"{name}: {volumes}"
+        binds = {v["target"]: v for v in volumes if v["type"] == "bind" and v["source"].startswith(store)}
+        assert set(binds) == {f"{root}/runs/{run}", f"{root}/models"}, f"{name}: {volumes}"
+        own, models = binds[f"{root}/runs/{run}"], binds[f"{root}/models"]
+        assert own["source"] == f"{store}/runs/{run}" and not own.get("read_only"), own
+        assert models["source"] == f"{store}/models" and models.get("read_only") is True, models
+        # A missing directory fails the start instead of the engine making an empty one outside the volume.
+        assert all(not (v.get("bind") or {}).get("create_host_path") for v in binds.values()), binds
+        assert svc["environment"]["RUN_NAME"] == run and svc["environment"]["ADAPTER_ROOT"] == root
+        assert svc["depends_on"]["store-init"]["condition"] == "service_completed_successfully"
+    layout = " ".join(project["services"]["store-init"]["entrypoint"])
+    assert '"$$0/runs/$$1" "$$0/models"' in layout and layout.endswith(f"{root} {run}"), layout
+
+
+def test_fleet_state_is_the_proxys_alone_and_replicas_claim_in_their_own_volume(project: dict) -> None:
     root = default_of("adapter_root")
-    for name, svc in {**services_by_role(project, "replica"), **services_by_role(project, "proxy")}.items():
-        (fleet,) = mounts(svc, "fleet")
-        assert fleet["target"] == f"{root}/.fleet" and not fleet.get("read_only"), f"{name}: {fleet}"
+    (proxy,) = services_by_role(project, "proxy").values()
+    (fleet,) = mounts(proxy, "fleet")
+    assert fleet["target"] == f"{root}/.fleet" and not fleet.get("read_only"), fleet
+    # store-init makes the fleet volume writable by the non-root proxy; no other service mounts it.
+    holders = {name for name, svc in project["services"].items() if mounts(svc, "fleet")}
+    assert holders == {"proxy", "store-init"}, holders
+    for name, svc in services_by_role(project, "replica").items():
+        (claims,) = mounts(svc, "claims")
+        assert claims["target"] == f"{root}/.fleet" and not claims.get("read_only"), f"{name}: {claims}"
+    assert {name for name, svc in project["services"].items() if mounts(svc, "claims")} == \
+        set(services_by_role(project, "replica"))
 
 
 def test_hf_cache_is_shared_by_trainer_and_replicas(project: dict) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorafleet.settings import Settings, env_name, load_settings
-from lorafleet.settings_docs import env_default
+from lorafleet.settings import StackSettings, env_name, load_settings
+from lorafleet_ops.docsite.reference import env_default
 from lorafleet_testing.compose_helpers import (
     COMPOSE_FILE,
     COMPOSE_VAR,
@@ -48,7 +48,7 @@ def test_cpu_profile_defaults_are_stated_next_to_the_profile() -> None:
 
 
 def schema_vars() -> set[str]:
-    return {env_name(name) for name in Settings.model_fields}
+    return {env_name(name) for name in StackSettings.model_fields}
 
 
 def test_every_compose_variable_is_documented(env_entries: dict[str, EnvEntry]) -> None:
@@ -58,7 +58,7 @@ def test_every_compose_variable_is_documented(env_entries: dict[str, EnvEntry]) 
 
 def test_every_setting_is_documented(env_entries: dict[str, EnvEntry]) -> None:
     missing = sorted(schema_vars() - set(env_entries))
-    assert not missing, f".env.example does not document {missing} (fields of lorafleet.settings.Settings)"
+    assert not missing, f".env.example does not document {missing} (fields of lorafleet.settings.StackSettings)"
 
 
 def test_nothing_stale_is_documented(env_entries: dict[str, EnvEntry]) -> None:
@@ -73,7 +73,7 @@ def test_every_variable_has_a_one_line_explanation(env_entries: dict[str, EnvEnt
 
 def test_documented_defaults_are_the_real_defaults(env_entries: dict[str, EnvEntry]) -> None:
     """A commented `# NAME=value` claims to be the default: it must equal the schema's or compose.yaml's."""
-    fields = {env_name(name): field for name, field in Settings.model_fields.items()}
+    fields = {env_name(name): field for name, field in StackSettings.model_fields.items()}
     wrong = []
     for name, entry in env_entries.items():
         if name in fields and entry.commented and entry.value != env_default(fields[name]):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import yaml
-from lorafleet.settings import Settings
+from lorafleet.settings import StackSettings
 from lorafleet_testing.compose_helpers import REPO, ComposeRunner, EnvFileMaker
 
 MONITORING = REPO / "monitoring"
@@ -22,7 +22,7 @@ DASHBOARD_PROVIDERS = MONITORING / "grafana" / "provisioning" / "dashboards" / "
 
 
 def default_of(field: str) -> Any:
-    return Settings.model_fields[field].default
+    return StackSettings.model_fields[field].default
 
 
 def jobs() -> dict[str, dict[str, Any]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lorafleet.processes import free_port
+from lorafleet.ports import free_port
 from lorafleet_testing.compose_helpers import REPO, RenderFn
 
 

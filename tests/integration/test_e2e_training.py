@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 import pytest
 from lorafleet.adapters import run_dir
-from lorafleet.commands.status import read_metrics
-from lorafleet.processes import Service, free_port, replica_service, wait_healthy
+from lorafleet.ports import free_port
+from lorafleet_ops.commands.status import read_metrics
+from lorafleet_ops.processes import Service, replica_service, wait_healthy
 from ratio_bounds import RATIO_LR, near_one
 
 # The chaos run boots a third replica twice and trains through every event; the rerun trains 4 steps.

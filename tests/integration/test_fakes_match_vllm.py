@@ -19,7 +19,7 @@ import pytest
 from lorafleet_testing import fakes
 from lorafleet_testing.fakes import ENGINE_DEAD, FakeReplica, start_fakes
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.compat]
 
 
 @pytest.fixture
@@ -82,7 +82,11 @@ async def test_pause_resume_and_cache_bodies_match_a_real_replica(shared_replica
 
 async def test_engine_dead_and_failed_pause_match_vllms_own_handlers(fake):
     from vllm.entrypoints.serve.dev.rlhf.api_router import pause_generation
-    from vllm.entrypoints.serve.exception_handling.handlers.vllm_error import engine_error_handler
+
+    try:  # vLLM 0.31's module; 0.26 (the oldest supported) had the handler in serve/utils/server_utils.py
+        from vllm.entrypoints.serve.exception_handling.handlers.vllm_error import engine_error_handler
+    except ImportError:
+        from vllm.entrypoints.serve.utils.server_utils import engine_error_handler
     from vllm.v1.engine.exceptions import EngineDeadError
 
     assert str(EngineDeadError()) == ENGINE_DEAD

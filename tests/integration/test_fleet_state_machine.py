@@ -35,8 +35,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from lorafleet.ledger_file import fingerprint, ledger_path
-from lorafleet.processes import free_port
+from lorafleet.ledger_format import fingerprint, ledger_path
+from lorafleet.ports import free_port
 from lorafleet.runs import DEFAULT_RUN, qualify, run_of
 from lorafleet.settings import load_settings
 from lorafleet_proxy.app import create_app
@@ -319,7 +319,7 @@ class FleetMachine(RuleBasedStateMachine):
         self.fakes[index].faults.hung = self.fakes[index].faults.malformed_models = False
 
     # A replica out of traffic while a name is rebound, then back after a proxy restart, is trusted to hold the
-    # ledger's content (a new proxy cannot know what it loaded): see the README's proxy section. So the proxy
+    # ledger's content (a new proxy cannot know what it loaded): see docs/concepts/fleet-state.md. So the proxy
     # restarts only while no replica is hung or malformed.
     @precondition(lambda self: all(self.serving(i) or not self.alive(i) for i in range(3)))
     @rule(corrupt=st.booleans())

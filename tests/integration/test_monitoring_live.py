@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from lorafleet.processes import Service, free_port, wait_healthy
+from lorafleet.ports import free_port
+from lorafleet_ops.processes import Service, wait_healthy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 

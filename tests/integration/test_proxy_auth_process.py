@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lorafleet.processes import free_port, proxy_service
+from lorafleet.ports import free_port
+from lorafleet_ops.processes import proxy_service
 from lorafleet_testing.fakes import start_fakes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -23,8 +23,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from lorafleet.processes import Service, proxy_service, wait_healthy
 from lorafleet.vllm_api import VLLMClient
+from lorafleet_ops.processes import Service, proxy_service, wait_healthy
 
 pytestmark = pytest.mark.integration
 

@@ -4,8 +4,8 @@ unreachable for 60 s before the proxy starts again.
 
 Both trainers wait (their rollouts and control calls retry, logged, within TRAINER_FLEET_WAIT_S) and train on
 past the outage, then stop cleanly; every step is trained once, in order; the ledger the restarted proxy restored
-and what every replica serves agree. How soon the restarted proxy serves is measured and printed (README, "The
-proxy gone").
+and what every replica serves agree. How soon the restarted proxy serves is measured and printed
+(docs/guides/preemption.md#the-proxy-gone).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 from lorafleet.adapters import run_dir
-from lorafleet.commands.status import read_metrics
-from lorafleet.processes import Service
-from lorafleet.run_keys import provision, write_private
+from lorafleet.run_key_store import provision, write_private
+from lorafleet_ops.commands.status import read_metrics
+from lorafleet_ops.processes import Service
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 

@@ -88,6 +88,7 @@ async def logprobs(proxy: Proxy, model: str) -> list[float]:
     return response.json()["choices"][0]["logprobs"]["token_logprobs"]
 
 
+@pytest.mark.compat
 async def test_broadcast_load_pause_resume_unload(proxy: Proxy, make_adapter: Callable[..., Path],
                                                   tiny_model: Path) -> None:
     path = make_adapter("pxy-a-v1", seed=21)
@@ -191,6 +192,7 @@ async def test_trl_client_chooses_adapter_sync_and_runs_a_sync_through_the_proxy
     assert all("trl-policy-v1" not in held for held in await on_replicas([r.url for r in proxy.replicas]))
 
 
+@pytest.mark.compat
 async def test_a_joining_replica_syncs_before_traffic_and_a_killed_one_is_ejected_invisibly(
     proxy: Proxy, make_adapter: Callable[..., Path], start_replicas: Callable[..., list[Any]]
 ) -> None:

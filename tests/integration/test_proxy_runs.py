@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from lorafleet.ledger_file import fingerprint, ledger_path
+from lorafleet.ledger_format import fingerprint, ledger_path
 from lorafleet.settings import load_settings
 from lorafleet_proxy.app import BearerAuth, create_app
 from lorafleet_testing.fakes import FakeReplica, Running, start_fakes, start_server

@@ -2,8 +2,8 @@
 
 The replica gets PROXY_UPSTREAM_TOKEN as its API key (VLLM_API_KEY). vLLM guards only paths under /v1, /v2,
 /inference and /cohere; every other route (health, metrics, and the dev routes /pause, /collective_rpc, ...)
-answers without the key. The README's table and SECURITY.md are this test's result: if a vLLM upgrade changes
-the answer, this test fails and the documents must change with it.
+answers without the key. docs/guides/security.md#two-keys and SECURITY.md are this test's result: if a vLLM
+upgrade changes the answer, this test fails and the documents must change with it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lorafleet.processes import Service
+from lorafleet_ops.processes import Service
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

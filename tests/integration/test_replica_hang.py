@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lorafleet.processes import Service
+from lorafleet_ops.processes import Service
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

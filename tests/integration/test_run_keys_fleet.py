@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lorafleet.ledger_file import ledger_path
-from lorafleet.run_keys import provision
+from lorafleet.ledger_format import ledger_path
+from lorafleet.run_key_store import provision
 from lorafleet_testing.fakes import start_fakes
 from test_proxy_runs import KEY, Fleet
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lorafleet.processes import Service
-from lorafleet.run_keys import provision, write_private
+from lorafleet.run_key_store import provision, write_private
+from lorafleet_ops.processes import Service
 from lorafleet_testing.trainers import finish
 from prometheus_client.parser import text_string_to_metric_families
 

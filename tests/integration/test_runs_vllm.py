@@ -18,7 +18,7 @@ RUNS = {"a": 31, "b": 32}  # run -> seed of its adapters' weights (different wei
 VERSIONS = 4
 STALENESS = 1
 PROMPT_TEXT = "<|im_start|>user\nname three colours of the rainbow .<|im_end|>\n<|im_start|>assistant\n"
-TOLERANCE = 1e-3  # float32 on both sides: measured differences are ~1e-6 (README, e2e consistency)
+TOLERANCE = 1e-3  # float32 on both sides: measured differences are ~1e-6 (the end-to-end consistency test)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,10 @@ def test_two_runs_with_the_same_names_each_decode_with_their_own_weights(proxy, 
     checked = 0
     for version in range(1, VERSIONS + 1):
         name = f"trl-policy-v{version}"
-        paths = {run: make_adapter(name, seed=seed * 100 + version, run=f"shared-{run}", root=adapter_root)
+        # Each run's adapters inside its own folder (a run loads only from ADAPTER_ROOT/runs/<run>/), in a corner
+        # of it no other test of the session writes.
+        paths = {run: make_adapter(name, seed=seed * 100 + version, run=run,
+                                   root=adapter_root / "runs" / run / "same-names")
                  for run, seed in RUNS.items()}
         for run in RUNS:  # load vN, then unload v(N - staleness - 1): at most staleness + 2 = 3 per run
             response = _post(base[run], "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(paths[run])})

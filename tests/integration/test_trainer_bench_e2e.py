@@ -27,4 +27,4 @@ def test_the_trainer_benchmark_runs_end_to_end_on_cpu(tmp_path):
     assert trl["perf/fwd_bwd_s"]["n"] == result["timed_steps"] == result["trainer_step_s"]["n"]
     assert trl["batch/microbatches_per_step"]["median"] == result["gradient_accumulation_steps"]
     assert 0.8 < trl["ratio"]["median"] < 1.25  # the stand-in's logprobs are the random model's own, about
-    assert "| tiny | torch | off |" in done.stdout  # the README table, printed from the JSON
+    assert "| tiny | torch | off |" in done.stdout  # the benchmark's table, printed from the JSON

@@ -3,11 +3,10 @@
 One run, three starts, each building on the last (module fixtures, so no test depends on another's order):
 A is stopped by SIGTERM to its whole process group (a supervisor; the rollout child gets it too) and
 must checkpoint the step reached and exit 0 within the Compose grace period. B resumes A, publishes
-a version past A's checkpoint, and is SIGKILLed. C resumes A's checkpoint again, so it republishes
-that version number with different weights; it stops at RUN_MAX_STEPS. Every replica must then
-serve C's weights under the reused name, and a client that reuses a loaded name and path with new
-content through the proxy gets the new content served too. A separate run stops at RUN_MAX_WALL_S
-while its disk use is watched.
+a version past A's checkpoint, and is SIGKILLed. C resumes A's checkpoint again and never republishes
+B's version: its names continue past it (issue 47.4); it stops at RUN_MAX_STEPS. Every replica must then
+serve C's weights, and a client that reuses a loaded name and path with new content through the proxy
+gets the new content served. A separate run stops at RUN_MAX_WALL_S while its disk use is watched.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ import pytest
 import torch
 import yaml
 from lorafleet.adapters import lora_dir, metrics_path, policy_name, run_dir
-from lorafleet.commands.status import read_metrics
-from lorafleet.processes import Service
+from lorafleet_ops.commands.status import read_metrics
+from lorafleet_ops.processes import Service
 
 pytestmark = pytest.mark.integration
 
@@ -80,18 +79,6 @@ def _wait_for(condition: Callable[[], bool], trainer: Service, what: str) -> Non
         time.sleep(0.2)
 
 
-def _group_gone(pid: int, timeout_s: float = 15.0) -> bool:
-    """True once no process of the trainer's group (its rollout child included) is left."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.2)
-    return False
-
-
 def _finish(trainer: Service, timeout_s: float) -> Start:
     started = time.monotonic()
     assert trainer.process is not None
@@ -100,7 +87,7 @@ def _finish(trainer: Service, timeout_s: float) -> Start:
     except Exception:
         code = None
     elapsed = time.monotonic() - started
-    gone = _group_gone(trainer.pid)
+    gone = trainer.group_gone()
     trainer.stop()
     return Start(code, trainer.log_path.read_text(), elapsed, {"group_gone": gone})
 
@@ -226,8 +213,8 @@ def _digest(adapter: Path) -> str:
 
 @pytest.fixture(scope="module")
 def republished_start(killed_start, fleet, root, start_trainer) -> Start:
-    """Start C: resumes A's checkpoint again (B left none), republishes v(V+2) with new weights, stops at
-    RUN_MAX_STEPS=2 with a checkpoint every step (CHECKPOINT_KEEP=2)."""
+    """Start C: resumes A's checkpoint again (B left none), publishes past B's v(V+2), stops at RUN_MAX_STEPS=2
+    with a checkpoint every step (CHECKPOINT_KEEP=2)."""
     _, proxy = fleet
     trainer = _trainer(start_trainer, "lifecycle-c", root, proxy, RUN_MAX_STEPS=2, SAVE_STEPS=1,
                        CHECKPOINT_KEEP=KEEP)
@@ -235,40 +222,52 @@ def republished_start(killed_start, fleet, root, start_trainer) -> Start:
 
 
 @pytest.mark.timeout(2 * WAIT_S + 180)
-def test_crash_after_publish_then_resume_serves_the_new_weights_under_the_reused_name(
+def test_crash_after_publish_then_resume_publishes_past_the_crashed_version(
     killed_start, republished_start, fleet, root, tiny_model
 ):
     replicas, proxy = fleet
     start, step = republished_start, killed_start.extra["step"]
-    name, path, b_copy = policy_name(killed_start.extra["version"]), killed_start.extra["path"], killed_start.extra[
-        "saved"]
+    path, b_copy = killed_start.extra["path"], killed_start.extra["saved"]
     assert start.code == 0, start.log[-4000:]
     stopped = start.stopped()
     assert (stopped["reason"], int(stopped["step"])) == ("run_max_steps", step + 2)
     assert (run_dir(root, RUN) / "final-adapter" / "adapter_config.json").is_file()  # a spent budget exports it
     assert _checkpoints(run_dir(root, RUN)) == [f"checkpoint-{step + 1}", f"checkpoint-{step + 2}"]  # exactly K
-    assert _digest(path) != _digest(b_copy), "C republished the same weights; the test would prove nothing"
+    continued = re.search(r"event=adapter_versions_continue checkpoint_version=(\d+) published_max=(\d+)", start.log)
+    assert continued, start.log[-4000:]
+    published = int(continued.group(2))
+    assert int(continued.group(1)) == killed_start.extra["version"] - 2 and published >= killed_start.extra["version"]
+    newest = int(stopped["model_version"])
+    assert newest == published + 3  # its cold sync and two steps, all past B's names
+    assert _digest(path) == _digest(b_copy), "C wrote over B's published version"
     urls = [replica.url for replica in replicas] + [proxy.url]
-    _assert_serves(urls, name, tiny_model, adapter=path, other=b_copy)
+    _assert_serves(urls, policy_name(newest), tiny_model, adapter=lora_dir(root, RUN) / policy_name(newest),
+                   other=b_copy)
+
+
+def _load_at(proxy: Service, name: str, path: Path, content: Path) -> None:
+    """Put `content` at `path` whole, as a republishing client would leave it, and load it as `name`."""
+    staged = path.parent / f".{name}.swap"
+    shutil.copytree(content, staged)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(staged, path)
+    response = httpx.post(proxy.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                          timeout=120)
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.timeout(2 * WAIT_S + 240)
 def test_a_client_reusing_a_loaded_name_and_path_with_new_content_gets_the_new_content(
-    killed_start, republished_start, fleet, tiny_model, tmp_path
+    killed_start, republished_start, fleet, root, tiny_model, tmp_path
 ):
     """The proxy's own protection, without the trainer's sweep: same name, same path, new files = a rebind."""
     replicas, proxy = fleet
     name, path, b_copy = policy_name(killed_start.extra["version"]), killed_start.extra["path"], killed_start.extra[
         "saved"]
     c_copy = tmp_path / "c"
-    shutil.copytree(path, c_copy)
-    staged = path.parent / f".{name}.swap"
-    shutil.copytree(b_copy, staged)
-    shutil.rmtree(path)
-    os.rename(staged, path)  # B's weights back at the same path, as a republishing client would leave them
-    response = httpx.post(proxy.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
-                          timeout=120)
-    assert response.status_code == 200, response.text
+    shutil.copytree(lora_dir(root, RUN) / policy_name(int(republished_start.stopped()["model_version"])), c_copy)
+    _load_at(proxy, name, path, c_copy)  # the name loaded with C's weights
+    _load_at(proxy, name, path, b_copy)  # then B's at the same path, under the same name
     _assert_serves([replica.url for replica in replicas] + [proxy.url], name, tiny_model, adapter=path, other=c_copy)
 
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 from lorafleet.adapters import lora_dir, metrics_path, policy_name, run_dir
-from lorafleet.commands.doctor.checks import RATIO_FAIL
-from lorafleet.commands.status import read_metrics
-from lorafleet.processes import Service
+from lorafleet_ops.commands.doctor.checks import RATIO_FAIL
+from lorafleet_ops.commands.status import read_metrics
+from lorafleet_ops.processes import Service
 from lorafleet_testing.trainers import finish
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

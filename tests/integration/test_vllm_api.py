@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from lorafleet.vllm_api import VLLMClient, VLLMError
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.compat]
 
 PROMPT = "the red fox and the blue owl"
 

@@ -23,13 +23,13 @@ from k8s_manifests import (
     selects,
     workloads,
 )
-from lorafleet.settings import SECRET_FIELDS, Settings, env_name
+from lorafleet.settings import SECRET_FIELDS, StackSettings, env_name
 from pydantic import ValidationError
 
 COMPONENT = "app.kubernetes.io/component"
 CONFIG = "lorafleet-config"
 KEYS_SECRET = "lorafleet-keys"
-# Run keys (README "Running on Kubernetes", run keys): the proxy reads the runs' key hashes from this Secret,
+# Run keys (docs/guides/kubernetes.md#a-second-run-and-run-keys): the proxy reads the runs' key hashes from this Secret,
 # mounted as RUN_KEYS_DIR; each named run's trainer reads its key from the Secret lorafleet-run-<run> (key `key`),
 # as TRAINER_RUN_KEY_FILE.
 RUN_KEYS_SECRET = "lorafleet-run-keys"
@@ -54,8 +54,9 @@ REPLACED_ON_KUBERNETES = {"VLLM_GPUS", "VLLM_CPU_SETS"}
 COMPOSE_ROLES = {"vllm": "replica", "proxy": "proxy", "trainer": "trainer", "model-fetch": "model-fetch"}
 # Compose settings that Kubernetes expresses otherwise (CUDA_VISIBLE_DEVICES: the nvidia.com/gpu limit).
 COMPOSE_ONLY = {"CUDA_VISIBLE_DEVICES"}
-# Writers of the adapter store: the trainer, the proxy's store-init, and model-fetch where it builds the model there.
-ADAPTER_WRITERS = {("trainer", "trainer"), ("proxy", "store-init"), ("model-fetch", "model-fetch")}
+# Writers of the whole adapter store: the proxy's store-init, and model-fetch where it builds the model there. A
+# trainer writes its own run's directory alone (subPath runs/<RUN_NAME>); its run-dir init container makes it.
+ADAPTER_WRITERS = {("proxy", "store-init"), ("model-fetch", "model-fetch")}
 
 
 @functools.cache
@@ -97,11 +98,11 @@ def environment(objects: list[Obj], container: Container) -> dict[str, str]:
 
 def validate_settings(env: dict[str, str]) -> str | None:
     """The schema's verdict on an environment (None: valid), read with nothing else from the caller's environment."""
-    schema = {env_name(name): name for name in Settings.model_fields}
+    schema = {env_name(name): name for name in StackSettings.model_fields}
     values = {schema[name]: value for name, value in env.items() if name in schema}
     with mock.patch.dict(os.environ, {}, clear=True):
         try:
-            Settings(_env_file=None, **values)  # type: ignore[call-arg]
+            StackSettings(_env_file=None, **values)  # type: ignore[call-arg]
         except ValidationError as exc:
             return "; ".join(f"{env_name(str(error['loc'][0])) if error['loc'] else 'settings'}: {error['msg']}"
                              for error in exc.errors())
@@ -111,7 +112,7 @@ def validate_settings(env: dict[str, str]) -> str | None:
 def settings_problems(objects: list[Obj], env_example: dict[str, Any]) -> list[str]:
     """Every container's environment is valid for the schema, names only known variables, and sets what Compose
     fixes for the same role; every setting .env.example sets is configured (or replaced by the scheduler)."""
-    schema = {env_name(name) for name in Settings.model_fields}
+    schema = {env_name(name) for name in StackSettings.model_fields}
     problems = []
     configured: set[str] = set(config_map_data(objects, CONFIG))
     for container in containers(objects):
@@ -160,24 +161,52 @@ def gpu_problems(objects: list[Obj], device: str) -> list[str]:
     return problems
 
 
+def store_mounts(container: Container) -> list[Obj]:
+    """Every mount of the adapter store's claim in `container` (a trainer has two: its run's directory, the models)."""
+    return [mount for mount in container.spec.get("volumeMounts", [])
+            if container.volume(mount["name"]).get("persistentVolumeClaim", {}).get("claimName") == "adapters"]
+
+
+def trainer_store_problems(objects: list[Obj], container: Container) -> list[str]:
+    """Issue 47: a trainer mounts its own run's directory of the store (rw) and the models (ro), nothing else of it;
+    its run-dir init container makes that directory and sees runs/ alone."""
+    env = environment(objects, container)
+    root, run = env.get("ADAPTER_ROOT"), env.get("RUN_NAME")
+    want = {f"{root}/runs/{run}": (f"runs/{run}", False), f"{root}/models": ("models", True)}
+    have = {m["mountPath"]: (m.get("subPath"), bool(m.get("readOnly"))) for m in store_mounts(container)}
+    problems = [f"{container.where}: mounts {path} of the store as {how}, want {want.get(path)} (its run {run}'s "
+                "directory rw and the models ro, nothing else)" for path, how in have.items() if want.get(path) != how]
+    problems += [f"{container.where}: does not mount {path} ({how[0]}) of the store" for path, how in want.items()
+                 if path not in have]
+    makers = [c for c in containers([container.workload]) if c.name == "run-dir"]
+    made = [(c.env_value("RUN_NAME"), [(m["mountPath"], m.get("subPath")) for m in store_mounts(c)]) for c in makers]
+    if made != [(run, [(f"{root}/runs", "runs")])]:
+        problems.append(f"{container.where}: no run-dir init container that makes runs/{run} with runs/ alone mounted "
+                        f"(run, mounts: {made})")
+    return problems
+
+
 def mount_problems(objects: list[Obj]) -> list[str]:
-    """The adapter store is read-only but for its writers and mounted at ADAPTER_ROOT; the fleet claim only in the
-    proxy, at ADAPTER_ROOT/.fleet; replicas and trainers (every run's) have a memory-backed, size-limited
-    /dev/shm."""
+    """The adapter store is read-only but for its writers and mounted at ADAPTER_ROOT, except that each trainer mounts
+    its own run's directory and the models only; the fleet claim only in the proxy, at ADAPTER_ROOT/.fleet; replicas
+    and trainers (every run's) have a memory-backed, size-limited /dev/shm."""
     problems = []
-    for container in [*(main_container(objects, name) for name in ("replica", "proxy", "trainer")),
-                      *run_trainers(objects)]:
-        if "adapters" not in container.mounts():
+    trainers = [main_container(objects, "trainer"), *run_trainers(objects)]
+    for container in [*(main_container(objects, name) for name in ("replica", "proxy")), *trainers]:
+        if not store_mounts(container):
             problems.append(f"{container.where}: does not mount the adapter store")
+    for container in trainers:
+        problems += trainer_store_problems(objects, container)
     for container in containers(objects):
         root = environment(objects, container).get("ADAPTER_ROOT")
-        for name, mount in container.mounts().items():
+        for mount in store_mounts(container) if container.component != "trainer" else []:
+            if (container.component, container.name) not in ADAPTER_WRITERS and not mount.get("readOnly"):
+                problems.append(f"{container.where}: mounts the adapter store writable")
+            if root and (mount["mountPath"] != root or mount.get("subPath")):
+                problems.append(f"{container.where}: store at {mount['mountPath']}, ADAPTER_ROOT={root}")
+        for mount in container.spec.get("volumeMounts", []):
+            name = mount["name"]
             claim = container.volume(name).get("persistentVolumeClaim", {}).get("claimName")
-            if claim == "adapters":
-                if (container.component, container.name) not in ADAPTER_WRITERS and not mount.get("readOnly"):
-                    problems.append(f"{container.where}: mounts the adapter store writable")
-                if root and mount["mountPath"] != root:
-                    problems.append(f"{container.where}: store at {mount['mountPath']}, ADAPTER_ROOT={root}")
             if claim == "fleet" and (container.component != "proxy" or mount["mountPath"] != f"{root}/.fleet"):
                 problems.append(f"{container.where}: mounts the fleet claim (the proxy's, at ADAPTER_ROOT/.fleet)")
             if mount["mountPath"] == "/dev/shm":

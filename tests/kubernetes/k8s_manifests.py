@@ -21,8 +21,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "kubernetes"
 OVERLAYS = ("gpu", "cpu", "example")
-# A named run's component (Job trainer-<run>, README "Run keys"), rendered on top of each overlay as an operator
-# includes it: `<overlay>+run-b`.
+# A named run's component (Job trainer-<run>, docs/guides/runs.md#on-kubernetes), rendered on top of each overlay
+# as an operator includes it: `<overlay>+run-b`.
 RUN_COMPONENT = "run-b"
 WITH_RUN = {f"{overlay}+{RUN_COMPONENT}": overlay for overlay in OVERLAYS}
 # The label of a named run's workloads (its value: the run); the default run's have none.

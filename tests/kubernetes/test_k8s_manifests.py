@@ -96,6 +96,10 @@ def container(objects: list[Obj], component: str) -> Obj:
     return main_container(objects, component).spec
 
 
+def store_mount(objects: list[Obj], component: str, path: str) -> Obj:
+    return next(m for m in container(objects, component)["volumeMounts"] if m["mountPath"] == path)
+
+
 def pod(objects: list[Obj], component: str) -> Obj:
     return main_container(objects, component).pod
 
@@ -157,6 +161,19 @@ BREAKS: dict[str, tuple[str, Callable[[list[Obj]], object], str]] = {
     "writable store in a replica": (
         "gpu", lambda o: next(m for m in container(o, "replica")["volumeMounts"] if m["name"] == "adapters")
         .pop("readOnly"), "writable"),
+    "trainer holding the whole store": (
+        "gpu", lambda o: store_mount(o, "trainer", "/adapters/runs/run1").update(mountPath="/adapters", subPath=""),
+        "mounts /adapters of the store"),
+    "trainer holding every run": (
+        "cpu", lambda o: store_mount(o, "trainer", "/adapters/runs/run1").update(subPath="runs"), "want ('runs/run1'"),
+    "run b's trainer in run1's directory": (
+        "cpu+run-b", lambda o: next(m for m in run_b(o)["volumeMounts"] if m["mountPath"] == "/adapters/runs/b")
+        .update(subPath="runs/run1"), "want ('runs/b'"),
+    "writable models in the trainer": (
+        "example", lambda o: store_mount(o, "trainer", "/adapters/models").pop("readOnly"), "want ('models', True)"),
+    "run b's directory never made": (
+        "gpu+run-b", lambda o: named(run_b_pod(o)["initContainers"], "run-dir")["env"][0].update(value="run1"),
+        "no run-dir init container that makes runs/b"),
     "store not at ADAPTER_ROOT": (
         "cpu", lambda o: env_entry(o, "proxy", "ADAPTER_ROOT").update(value="/store"), "ADAPTER_ROOT=/store"),
     "missing liveness probe": ("gpu", lambda o: container(o, "replica").pop("livenessProbe"), "no livenessProbe"),
@@ -320,7 +337,8 @@ def by_name(items: list[Obj]) -> dict[str, Obj]:
 def test_a_named_runs_trainer_is_the_overlays_trainer_with_its_run_and_key(rendered: dict[str, list[Obj]],
                                                                            rendering: str) -> None:
     """components/run-b adds one workload, Job trainer-b: Job trainer as the overlay made it (image, GPUs,
-    resources, tolerations, init container, security), with run b's name, URL and key file, and nothing else."""
+    resources, tolerations, init containers, security), with run b's name, URL, key file and directory of the store
+    (made by its run-dir, mounted in place of run1's), and nothing else."""
     objects, plain = rendered[rendering], rendered[WITH_RUN[rendering]]
     added = {(obj["kind"], obj["metadata"]["name"]) for obj in objects} - {
         (obj["kind"], obj["metadata"]["name"]) for obj in plain}
@@ -334,8 +352,11 @@ def test_a_named_runs_trainer_is_the_overlays_trainer_with_its_run_and_key(rende
         **trainer["spec"]["template"]["metadata"],
         "labels": {**trainer["spec"]["template"]["metadata"]["labels"], RUN_LABEL: "b"}}
     ours, theirs = named_run["spec"]["template"]["spec"], trainer["spec"]["template"]["spec"]
-    assert {k: v for k, v in ours.items() if k not in ("containers", "volumes")} == \
-        {k: v for k, v in theirs.items() if k not in ("containers", "volumes")}
+    own = ("containers", "volumes", "initContainers")
+    assert {k: v for k, v in ours.items() if k not in own} == {k: v for k, v in theirs.items() if k not in own}
+    makes_b = [{**init, "env": [{"name": "RUN_NAME", "value": "b"}]} if init["name"] == "run-dir" else init
+               for init in theirs["initContainers"]]
+    assert ours["initContainers"] == makes_b
     assert by_name(ours["volumes"]) == {**by_name(theirs["volumes"]), "run-key": {
         "name": "run-key", "secret": {"secretName": "lorafleet-run-b", "defaultMode": 0o440}}}
     (run_container,), (base_container,) = ours["containers"], theirs["containers"]
@@ -344,8 +365,12 @@ def test_a_named_runs_trainer_is_the_overlays_trainer_with_its_run_and_key(rende
         {k: v for k, v in base_container.items() if k not in rest}
     run_env = {name: {"name": name, "value": value} for name, value in RUN_ENV.items()}
     assert by_name(run_container["env"]) == {**by_name(base_container["env"]), **run_env}
-    assert by_name(run_container["volumeMounts"]) == {**by_name(base_container["volumeMounts"]), "run-key": {
-        "name": "run-key", "mountPath": "/run/secrets/lorafleet-run-key", "subPath": "key", "readOnly": True}}
+    by_path = {mount["mountPath"]: mount for mount in base_container["volumeMounts"]}
+    assert by_path.pop("/adapters/runs/run1")["subPath"] == "runs/run1"
+    assert {mount["mountPath"]: mount for mount in run_container["volumeMounts"]} == {**by_path, **{
+        mount["mountPath"]: mount for mount in (
+            {"name": "adapters", "mountPath": "/adapters/runs/b", "subPath": "runs/b"},
+            {"name": "run-key", "mountPath": "/run/secrets/lorafleet-run-key", "subPath": "key", "readOnly": True})}}
 
 
 @pytest.mark.parametrize("rendering", RENDERINGS)

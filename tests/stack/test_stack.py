@@ -3,7 +3,7 @@
 `make test-stack CPU=1` (cpu profile; CI runs it on a private engine, tools/engine.sh) or `make test-gpu` (NVIDIA
 GPUs). Plain `pytest tests/stack` skips with one line naming what is missing; `LORAFLEET_STACK_REQUIRED=1` (the make
 targets) and `CI=true` turn that into a failure. One stack per module, in a fresh copy of the project with `.env` made
-from `.env.example` and the two keys (lorafleet_testing.stack_plan, .stack_driver), and the README's commands in order:
+from `.env.example` and the two keys (lorafleet_testing.stack_plan, .stack_driver), and the guide's commands in order:
   1. `make up`: every replica `ready`, each having generated (the proxy's warm-up), each on its own device;
      gpu: the GPUs the replicas' processes hold (host nvidia-smi) are distinct and not the trainer's;
   2. `make status` and `make doctor` against it (the doctor PASSes, its failures would name the replica);
@@ -12,7 +12,9 @@ from `.env.example` and the two keys (lorafleet_testing.stack_plan, .stack_drive
   4. the trainer `make up` started trains: every published version served by every replica (their own word),
      importance ratio within the doctor's bounds, adapters and checkpoints written to the store;
   5. the same greedy request gives identical tokens and logprobs on every replica;
-  6. a second run (`make train RUN=b`, its own key) trains with the first; the proxy's main process killed, then the
+  6. a second run (`make train RUN=b`, its own key) trains with the first; each trainer sees only its own run's
+     directory: b can neither read the first run's adapters and checkpoints nor write into its directory, and the
+     store's models are read-only to it; the proxy's main process killed, then the
      proxy stopped for a minute and started: both trainers wait and train on (not restarted, every step once, in
      order), the ledger and every replica agree, and how soon the fleet serves again is measured; run b is parked;
   7. `docker compose stop` of the trainer: checkpoint, exit 0, not restarted; `start` resumes from the checkpoint;
@@ -32,6 +34,7 @@ import json
 import os
 import shlex
 import socket
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -41,10 +44,10 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
-from lorafleet.adapters import fleet_dir, metrics_path
-from lorafleet.commands.doctor.checks import RATIO_FAIL
-from lorafleet.ledger_file import LEDGER_FILE
-from lorafleet.settings import Settings
+from lorafleet.adapters import LORA_DIR_NAME, fleet_dir, metrics_path
+from lorafleet.ledger_format import LEDGER_FILE
+from lorafleet.settings import StackSettings
+from lorafleet_ops.commands.doctor.checks import RATIO_FAIL
 from lorafleet_testing import stack_plan
 from lorafleet_testing.stack_driver import (
     REPO,
@@ -64,12 +67,12 @@ PROFILE: Profile = "cpu" if os.environ.get("LORAFLEET_STACK_PROFILE") == "cpu" e
 REPLICAS = int(os.environ.get("LORAFLEET_STACK_REPLICAS", "2"))
 WAIT_S = int(os.environ.get("LORAFLEET_STACK_WAIT_S", "1800" if PROFILE == "gpu" else "900"))
 ARTIFACTS = REPO / "results" / "stack"
-ADAPTER_ROOT = Path(Settings.model_fields["adapter_root"].default)  # the stack's ADAPTER_ROOT: the default
+ADAPTER_ROOT = Path(StackSettings.model_fields["adapter_root"].default)  # the stack's ADAPTER_ROOT: the default
 PROMPT = "<|im_start|>user\nWhat is 17 + 25? Answer with a number.<|im_end|>\n<|im_start|>assistant\n"
 # Same weights, same kernels, one request at a time: greedy decoding agrees exactly; the tolerance only absorbs
 # the last bits of bf16 reductions on GPUs of one model.
 LOGPROB_ABS = 1e-5 if PROFILE == "cpu" else 1e-3
-SECOND_RUN = "b"  # `make train RUN=b`, the README's second run
+SECOND_RUN = "b"  # `make train RUN=b`, docs/guides/runs.md's second run
 OUTAGE_S = 60.0  # the proxy stopped this long under training
 
 T = TypeVar("T")
@@ -327,7 +330,7 @@ def test_the_boundary_holds_on_real_networks(stack: Stack) -> None:
         assert response.json()["error"]["code"] == 401
     assert public(plan, "/v1/models", plan.api_key).status_code == 200
     # The fleet port listens on the internal fleet network alone: not on the proxy's other addresses.
-    fleet_port = int(Settings.model_fields["proxy_port"].default)
+    fleet_port = int(StackSettings.model_fields["proxy_port"].default)
     public_ip = stack.container_ip(proxy["ID"], "public")
     socket.create_connection((public_ip, plan.public_port), timeout=5).close()  # that address is reachable...
     with pytest.raises(ConnectionRefusedError):  # ...and nothing listens there on the fleet port
@@ -409,12 +412,39 @@ def serving_after_start_s(stack: Stack, container: str, model: str, gone_at: flo
     raise AssertionError("the public port did not answer a completion within 600 s of the proxy's return")
 
 
+def store_entries(stack: Stack, run: str) -> list[str]:
+    """What run `run`'s directory holds, as the proxy (the whole store, read-only) sees it."""
+    return stack.compose("exec", "-T", "proxy", "ls", "-A", f"{ADAPTER_ROOT}/runs/{run}", timeout_s=60).stdout.split()
+
+
+def assert_trainer_sees_only_its_run(stack: Stack, container: str, run: str, other: str) -> None:
+    """The trainer of `run` (its container) has its own run's directory and the store's models (read-only), nothing
+    else of the store: `other`'s adapters and checkpoints, which the store holds, are not there to read, a write
+    into `other`'s directory fails and never reaches the store."""
+    runs = f"{ADAPTER_ROOT}/runs"
+    theirs = [name for name in store_entries(stack, other) if name.startswith("checkpoint-") or name == LORA_DIR_NAME]
+    assert LORA_DIR_NAME in theirs and len(theirs) > 1, f"run {other} has no adapters and checkpoints yet: {theirs}"
+
+    def in_trainer(command: str) -> subprocess.CompletedProcess[str]:
+        return stack.docker("exec", container, "sh", "-c", command, check=False)
+
+    assert in_trainer(f"ls -A {runs}").stdout.split() == [run], f"run {run}'s trainer sees other runs"
+    for name in theirs:
+        seen = in_trainer(f"ls {runs}/{other}/{name}")
+        assert seen.returncode != 0, f"run {run}'s trainer reads run {other}'s {name}: {seen.stdout[:200]}"
+    wrote = in_trainer(f"echo intruder > {runs}/{other}/intruder")
+    assert wrote.returncode != 0, f"run {run}'s trainer wrote into run {other}'s directory"
+    assert "intruder" not in store_entries(stack, other)
+    models = in_trainer(f"touch {ADAPTER_ROOT}/models/intruder")
+    assert models.returncode != 0 and "Read-only" in models.stderr, f"the models are writable: {models}"
+
+
 def test_two_runs_train_through_the_proxy_killed_and_a_minute_without_a_fleet(stack: Stack) -> None:
     """A second run (`make train RUN=b`: its own key, mounted into its trainer alone) trains with the stack's own.
     The proxy container's main process is killed (Docker restarts it), then the proxy is stopped for a minute and
     started: both trainers wait (logged), neither exits nor is restarted, both train on with every step once and in
     order, and the ledger the proxy restored and every replica's own list agree. How soon the fleet serves after the
-    proxy's process is back is measured (results/stack/proxy-outage.json, README "The proxy gone")."""
+    proxy's process is back is measured (results/stack/proxy-outage.json, docs/guides/preemption.md#the-proxy-gone)."""
     second = f"lorafleet-train-{SECOND_RUN}"
     containers = {RUN_NAME: lambda: trainer(stack), SECOND_RUN: lambda: stack.inspect(second)}
     (proxy,) = stack.containers("proxy")
@@ -434,6 +464,9 @@ def test_two_runs_train_through_the_proxy_killed_and_a_minute_without_a_fleet(st
     try:
         wait_for(lambda: last_step(stack, SECOND_RUN) >= 1, f"run {SECOND_RUN}'s first step", 900, every_s=5,
                  alive=both_training)
+        assert_trainer_sees_only_its_run(stack, second, SECOND_RUN, RUN_NAME)
+        first_view = stack.docker("exec", trainer(stack)["Id"], "ls", "-A", f"{ADAPTER_ROOT}/runs").stdout.split()
+        assert first_view == [RUN_NAME], f"run {RUN_NAME}'s trainer sees {first_view}"
         restarts = {run: state()["RestartCount"] for run, state in containers.items()}
         proxy_restarts = stack.inspect(proxy["ID"])["RestartCount"]
 

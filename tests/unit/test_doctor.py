@@ -16,16 +16,15 @@ from typing import Any
 
 import httpx
 import pytest
-from lorafleet import ledger_file
-from lorafleet.commands.doctor import CheckResult, ProbeReport, Snapshot, Status, failed, render_table, run_doctor
-from lorafleet.commands.doctor.checks import (
+from lorafleet import ledger_format
+from lorafleet.settings import StackSettings, load_settings
+from lorafleet_ops.commands.doctor import CheckResult, ProbeReport, Snapshot, Status, failed, render_table, run_doctor
+from lorafleet_ops.commands.doctor.checks import (
     check_adapter_sync,
-    check_broadcasts,
     check_fleet,
     check_layout,
     check_lora_enabled,
     check_names,
-    check_probe,
     check_rank,
     check_ratio,
     check_run_keys,
@@ -33,10 +32,10 @@ from lorafleet.commands.doctor.checks import (
     check_versions_kept,
     evaluate,
 )
-from lorafleet.commands.doctor.gather import gather_snapshot, read_ledger_file
-from lorafleet.commands.doctor.runner import TRAINING_RECENT_S
-from lorafleet.commands.doctor.via_proxy import coverage
-from lorafleet.settings import Settings, load_settings
+from lorafleet_ops.commands.doctor.gather import gather_snapshot, read_ledger_file
+from lorafleet_ops.commands.doctor.probe_checks import check_broadcasts, check_probe
+from lorafleet_ops.commands.doctor.runner import TRAINING_RECENT_S
+from lorafleet_ops.commands.doctor.via_proxy import coverage
 
 MODEL = "/models/tiny"
 PROXY = "http://proxy:8000"
@@ -242,17 +241,17 @@ def root(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def settings(root: Path) -> Settings:
+def settings(root: Path) -> StackSettings:
     return load_settings(base_model=MODEL, adapter_root=root, lora_rank=8, max_staleness=4, run_name="run1")
 
 
 @pytest.fixture
-def served_fleet(root: Path, served: Settings) -> FakeFleet:
+def served_fleet(root: Path, served: StackSettings) -> FakeFleet:
     return FakeFleet(root, model=served.base_model)
 
 
 @pytest.fixture
-def served(tmp_path: Path, root: Path) -> Settings:
+def served(tmp_path: Path, root: Path) -> StackSettings:
     """Settings whose base model is a local directory with a config.json (the probe adapter is built from it)."""
     model = tmp_path / "model"
     model.mkdir()
@@ -266,7 +265,7 @@ def fleet(root: Path) -> FakeFleet:
     return FakeFleet(root)
 
 
-async def _snapshot(fleet: FakeFleet, settings: Settings, replicas: tuple[str, ...] = ()) -> Snapshot:
+async def _snapshot(fleet: FakeFleet, settings: StackSettings, replicas: tuple[str, ...] = ()) -> Snapshot:
     async with httpx.AsyncClient(transport=httpx.MockTransport(fleet.handler)) as http:
         return await gather_snapshot(settings, PROXY, replicas, http)
 
@@ -632,14 +631,14 @@ def test_layout_states_the_trainers_ranks_and_warns_on_a_shared_gpu(values, stat
     (["a", "b"], {"enabled": True, "runs": ["a"]}, Status.WARN, ["run(s) b have none", "TRAINER_RUN_KEY_FILE"]),
     (["a", "b"], {"enabled": True, "runs": ["a", "b", "c"]}, Status.PASS, ["run keys on: runs a, b"]),
 ])
-async def test_a_shared_fleet_without_run_keys_is_a_warning(fleet: FakeFleet, settings: Settings, runs: list[str],
+async def test_a_shared_fleet_without_run_keys_is_a_warning(fleet: FakeFleet, settings: StackSettings, runs: list[str],
                                                             keys: dict[str, Any], status: Status,
                                                             words: list[str]) -> None:
     fleet.runs, fleet.run_keys = runs, keys
     _one(check_run_keys(await _snapshot(fleet, settings)), status, *words)
 
 
-async def test_run_keys_are_not_judged_without_the_proxy(fleet: FakeFleet, settings: Settings) -> None:
+async def test_run_keys_are_not_judged_without_the_proxy(fleet: FakeFleet, settings: StackSettings) -> None:
     fleet.proxy_up = False
     _one(check_run_keys(await _snapshot(fleet, settings)), Status.SKIP, "/fleet was not read")
 
@@ -653,7 +652,7 @@ async def test_table_and_json_carry_reason_and_fix(fleet, settings):
     results = evaluate(snapshot, settings, ProbeReport(skipped="probe disabled (--no-probe)"))
     assert [r.name for r in results] == ["fleet", "lora_enabled", "lora_rank", "adapter_sync", "adapter_root",
                                          "names_immutable", "lora_slots", "versions_kept", "broadcasts", "ratio",
-                                         "layout", "run_keys"]
+                                         "layout", "run_keys", "vllm_versions"]
     assert [r.name for r in failed(results)] == ["adapter_sync", "lora_slots"]
     table = render_table(results)
     assert "lora_slots" in table and "FAIL" in table and "fix: restart those replicas" in table
@@ -667,13 +666,13 @@ async def test_table_and_json_carry_reason_and_fix(fleet, settings):
 # --- the runner end to end on the fake fleet: the probe, its diagnosis, its cleanup ---------------
 
 
-async def _doctor(fleet: FakeFleet, settings: Settings, **kwargs: Any) -> dict[str, CheckResult]:
+async def _doctor(fleet: FakeFleet, settings: StackSettings, **kwargs: Any) -> dict[str, CheckResult]:
     async with httpx.AsyncClient(transport=httpx.MockTransport(fleet.handler)) as http:
         results = await run_doctor(settings, PROXY, http=http, **kwargs)
     return {result.name: result for result in results}
 
 
-def _clean(fleet: FakeFleet, settings: Settings) -> None:
+def _clean(fleet: FakeFleet, settings: StackSettings) -> None:
     assert not any(adapters for adapters in fleet.adapters.values()), fleet.adapters
     assert not any(fleet.paused.values()) and not fleet.ledger
     assert not [p for p in settings.adapter_root.rglob("*probe*")], "the probe's files must be deleted"
@@ -792,7 +791,7 @@ async def test_a_run_logging_steps_counts_as_training(served_fleet, served):
 
 
 def test_cli_probe_flags_default_to_auto():
-    from lorafleet.commands.cli import build_parser
+    from lorafleet_ops.commands.cli import build_parser
 
     parse = build_parser().parse_args
     assert parse(["doctor"]).probe is None, "the default must decide by whether the fleet is training"
@@ -804,10 +803,10 @@ def test_cli_probe_flags_default_to_auto():
 def test_doctor_reads_the_ledger_the_proxy_writes(tmp_path: Path) -> None:
     """One reader of the ledger format: what the proxy's writer puts on disk is what the doctor sees."""
     root = tmp_path.resolve()
-    adapters = {f"trl-policy-v{v}": ledger_file.Entry(str(root / "runs" / "r" / f"v{v}"), f"sha256:{v}")
+    adapters = {f"trl-policy-v{v}": ledger_format.Entry(str(root / "runs" / "r" / f"v{v}"), f"sha256:{v}")
                 for v in (3, 4)}
     assert read_ledger_file(root) is None  # no file yet
-    ledger_file.write(ledger_file.ledger_path(root), ledger_file.LedgerState(adapters, paused="keep"))
+    ledger_format.write(ledger_format.ledger_path(root), ledger_format.LedgerState(adapters, paused="keep"))
     assert read_ledger_file(root) == [(name, entry.path) for name, entry in adapters.items()]
-    ledger_file.ledger_path(root).write_text('{"version": 2, "adapt')  # torn or corrupt: unknown, not empty
+    ledger_format.ledger_path(root).write_text('{"version": 2, "adapt')  # torn or corrupt: unknown, not empty
     assert read_ledger_file(root) is None

@@ -8,10 +8,10 @@ import struct
 from pathlib import Path
 
 import pytest
-from lorafleet.commands.doctor.probe_adapter import publish_probe_adapter
-from lorafleet.peft_adapter import ALL_LINEAR, write_lora_adapter
 from lorafleet.settings import load_settings
-from lorafleet.tiny import make_adapter, make_tiny_model
+from lorafleet_ops.commands.doctor.probe_adapter import publish_probe_adapter
+from lorafleet_ops.peft_adapter import ALL_LINEAR, write_lora_adapter
+from lorafleet_ops.tiny_model import make_adapter, make_tiny_model
 
 QWEN_1_5B = {"hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2, "num_hidden_layers": 28}
 

@@ -1,10 +1,10 @@
-"""README "Layout" names every module of the four packages and every file of bench/ and tools/.
+"""docs/development/layout.md's listing names every module of the five packages and every file of bench/ and tools/.
 
-The section runs from `## Layout` to the next `## ` heading. Inside it each entry starts at the line's first column
-with a path (`shared/`, `shared/lorafleet/commands/`, `bench/`, ...) and goes on in the indented lines below it. A
-module is named when the entry for its folder (the entry with the longest path its own path starts with) holds its
-name as a word (`settings`, `doctor/checks`), its file name (`runs_bench.py`) or its path; a file that is not Python
-only by its file name (`engine.sh`), a folder of bench/ by its name (`results/`).
+The listing is the page's `## The listing` section, up to the next `## ` heading or the end. Inside it each entry
+starts at the line's first column with a path (`shared/`, `ops/lorafleet_ops/commands/`, `bench/`, ...) and goes on in
+the indented lines below it. A module is named when the entry for its folder (the entry with the longest path its
+own path starts with) holds its name as a word (`settings`, `doctor/checks`), its file name (`runs_bench.py`) or its
+path; a file that is not Python only by its file name (`engine.sh`), a folder of bench/ by its name (`results/`).
 """
 
 from __future__ import annotations
@@ -15,20 +15,23 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("shared/lorafleet", "services/proxy/lorafleet_proxy", "services/vllm/lorafleet_replica",
+PACKAGES = ("shared/lorafleet", "ops/lorafleet_ops", "services/proxy/lorafleet_proxy", "services/vllm/lorafleet_vllm",
             "services/trainer/lorafleet_trainer")
 FOLDERS = ("bench", "tools")
 SKIPPED = {"__pycache__", "__init__.py"}
 
 
-def layout_section(readme: str) -> str:
-    match = re.search(r"^## Layout\n(?P<body>.*?)(?=^## |\Z)", readme, re.M | re.S)
-    assert match, "README.md has no `## Layout` section"
+LAYOUT_PAGE = REPO / "docs" / "development" / "layout.md"
+
+
+def layout_section(page: str) -> str:
+    match = re.search(r"^## The listing\n(?P<body>.*?)(?=^## |\Z)", page, re.M | re.S)
+    assert match, f"{LAYOUT_PAGE.relative_to(REPO)} has no `## The listing` section"
     return match["body"]
 
 
 def entries(section: str) -> dict[str, str]:
-    """Entry path (its first word, e.g. `shared/lorafleet/commands/`) -> the entry's whole text."""
+    """Entry path (its first word, e.g. `ops/lorafleet_ops/commands/`) -> the entry's whole text."""
     found: dict[str, list[str]] = {}
     current: list[str] | None = None
     for line in section.splitlines():
@@ -83,12 +86,13 @@ def required() -> list[str]:
     return paths
 
 
-LAYOUT = entries(layout_section((REPO / "README.md").read_text()))
+LAYOUT = entries(layout_section(LAYOUT_PAGE.read_text()))
 
 
 @pytest.mark.parametrize("path", required())
-def test_the_readme_layout_names(path: str) -> None:
-    assert named(path, LAYOUT), f"README.md's Layout does not name {path} (in the entry for its folder)"
+def test_the_layout_page_names(path: str) -> None:
+    page = LAYOUT_PAGE.relative_to(REPO)
+    assert named(path, LAYOUT), f"{page}'s listing does not name {path} (in the entry for its folder)"
 
 
 def test_the_check_can_fail() -> None:

@@ -14,7 +14,7 @@ import pytest
 CLAIMANT = """
 import os, sys
 from pathlib import Path
-from lorafleet_replica.claim import NoFreeDevice, claim_device
+from lorafleet_vllm.claim import NoFreeDevice, claim_device
 try:
     claim = claim_device(sys.argv[2].split(","), Path(sys.argv[1]), kind="gpu", pool_variable="VLLM_GPUS",
                          shares=int(sys.argv[3]))

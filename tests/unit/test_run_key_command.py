@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from lorafleet.commands.cli import main
-from lorafleet.run_keys import KEY_PREFIX, digest, read_keys
+from lorafleet.run_key_store import KEY_PREFIX, digest, read_keys
+from lorafleet_ops.commands.cli import main
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
+OPS = SHARED.parent / "ops"
 
 
 def test_the_key_is_printed_once_and_only_its_hash_is_kept(tmp_path: Path, capsys: pytest.CaptureFixture[str]) \
@@ -56,11 +57,10 @@ def test_bad_input_exits_2_naming_it_and_writes_nothing(argv: list[str], message
 
 
 def test_it_runs_on_the_standard_library_alone(tmp_path: Path) -> None:
-    """`python -S` (no site-packages), only shared/ on the path: no pydantic, no lorafleet (what `make train` has)."""
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(SHARED), "RUN_KEYS_DIR": str(tmp_path)}
-    script = "import sys; sys.path.insert(0, sys.argv[1]); sys.argv[1:] = ['b']; " \
-             "from lorafleet.run_keys import main; sys.exit(main())"
-    done = subprocess.run([sys.executable, "-S", "-c", script, str(SHARED)], env=env, capture_output=True,
-                          text=True, timeout=30)
+    """`python -S` (no site-packages), only shared/ and ops/ on the path: no pydantic, no installed lorafleet (what
+    `make train` has)."""
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": f"{SHARED}:{OPS}", "RUN_KEYS_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-S", "-m", "lorafleet_ops.commands.run_key", "b"], env=env,
+                          capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     assert read_keys(tmp_path) == {"b": digest(done.stdout.strip())}

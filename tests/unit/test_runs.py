@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from lorafleet.adapters import ADAPTER_NAME_PATTERN
-from lorafleet.ledger_file import Entry, LedgerFileError, LedgerState, RunRecord, parse, serialize
+from lorafleet.ledger_format import Entry, LedgerFileError, LedgerState, RunRecord, parse, serialize
 from lorafleet.runs import DEFAULT_RUN, RunNameError, check_run_name, fleet_url, qualify, run_of, run_url, url_run
 
 RUN = st.from_regex(r"\A[A-Za-z0-9]{1,8}(?:[._-][A-Za-z0-9]{1,6}){0,3}\Z").filter(lambda run: run != DEFAULT_RUN)

@@ -6,18 +6,18 @@ import os
 from pathlib import Path
 
 import pytest
-from lorafleet.settings import VLLM_LORA_RANKS, ConfigError, Settings, env_name, load_settings, round_lora_rank
+from lorafleet.settings import VLLM_LORA_RANKS, ConfigError, StackSettings, env_name, load_settings, round_lora_rank
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """No setting leaks in from the caller's environment or a .env in the working directory."""
-    for name in Settings.model_fields:
+    for name in StackSettings.model_fields:
         monkeypatch.delenv(env_name(name), raising=False)
     monkeypatch.chdir(tmp_path)
 
 
-def from_env(monkeypatch: pytest.MonkeyPatch, **env: str) -> Settings:
+def from_env(monkeypatch: pytest.MonkeyPatch, **env: str) -> StackSettings:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     return load_settings()

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from lorafleet.commands import demo
-from lorafleet.commands.demo import (
+from lorafleet_ops.commands import demo
+from lorafleet_ops.commands.demo import (
     build_report,
     progress_line,
     run_names,
@@ -17,7 +17,7 @@ from lorafleet.commands.demo import (
     sync_report,
     trainer_url,
 )
-from lorafleet.commands.status import adapter_span, read_metrics, render_status
+from lorafleet_ops.commands.status import adapter_span, read_metrics, render_status
 
 FLEET = {
     "replicas": [

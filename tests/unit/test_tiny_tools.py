@@ -11,18 +11,8 @@ import random
 from pathlib import Path
 
 import pytest
-from lorafleet.tiny import (
-    MODEL_MARKER,
-    MODEL_VERSION,
-    PLAIN_TEMPLATE,
-    TOOL_CALLS,
-    TOOL_KEYS,
-    TOOL_NAME,
-    TOOL_SCHEMA,
-    WORDS,
-    make_tiny_model,
-    tool_call_text,
-)
+from lorafleet.tiny_vocabulary import MODEL_MARKER, TOOL_CALLS, TOOL_KEYS, TOOL_NAME, WORDS, tool_call_text
+from lorafleet_ops.tiny_model import MODEL_VERSION, PLAIN_TEMPLATE, TOOL_SCHEMA, make_tiny_model
 from lorafleet_trainer.recipes import TINY_ANCHOR, load_tokenizer, tiny_dataset, tiny_targets
 from trl.chat_template_utils import is_chat_template_prefix_preserving, parse_response, supports_tool_calling
 
@@ -196,12 +186,12 @@ def test_calls_come_at_a_few_percent_after_a_tools_block_and_one_direction_raise
 
 
 def test_lookup_task_matches_the_tiny_tool_and_scores_episodes(task, tiny, tokenizer):
-    from lorafleet.settings import ConfigError, Settings, load_settings
+    from lorafleet.settings import ConfigError, StackSettings, load_settings
     from transformers.utils import get_json_schema
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
     assert get_json_schema(task.lookup) == TOOL_SCHEMA  # the schema the call direction was measured after
-    assert set(task.defaults) <= set(Settings.model_fields)
+    assert set(task.defaults) <= set(StackSettings.model_fields)
     assert set(task.trl_args) <= set(AsyncGRPOConfig.__dataclass_fields__)
     built = task.build_task(tokenizer, load_settings(base_model=str(tiny)))
     row = built["train_dataset"][0]

@@ -64,16 +64,19 @@ class AdminPlane:
         started = time.perf_counter()
         response = await call
         self.metrics.broadcast_done(op, response.status_code, time.perf_counter() - started)
-        self.metrics.track_pause(self.fleet.ledger.paused is not None)  # pause -> resume observes the stall
+        self.metrics.track_pause(self.fleet.paused is not None)  # pause -> resume observes the stall
         return response
 
     async def load_lora_adapter(self, request: Request, body: LoadLoRAAdapterRequest) -> Response:
         run, name = self.runs.of(request.scope), body.lora_name
         if foreign_name(run, name):
             return not_its_own(run, name)
+        path = self.runs.confine_load(request.scope, body.lora_path)
+        if isinstance(path, Response):
+            return path
         qualified = self.runs.qualify(run, name)
-        load = broadcast.load_adapter(self.fleet, {**body.model_dump(), "lora_name": qualified}, run,
-                                      self.runs.load_admission(run, qualified))
+        load = broadcast.load_adapter(self.fleet, {**body.model_dump(), "lora_name": qualified, "lora_path": path},
+                                      run, self.runs.load_admission(run, qualified))
         return self.runs.renamed(await self.timed("load", load), qualified, name)
 
     async def unload_lora_adapter(self, request: Request, body: UnloadLoRAAdapterRequest) -> Response:

@@ -15,7 +15,7 @@ from functools import partial
 import httpx
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from lorafleet.settings import ConfigError, Settings
+from lorafleet.settings import ConfigError, ProxySettings
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import broadcast
@@ -24,12 +24,13 @@ from .auth import BearerAuth
 from .elision import PauseElision
 from .errors import validation_error
 from .fleet import Fleet
-from .front import Front, Upstreams
+from .front import Front
 from .ledger import Ledger, ledger_path
 from .metrics import Metrics
 from .openapi import document, relayed_router
 from .router import Router
 from .runs import Runs
+from .upstream import Upstreams
 from .views import FleetViews
 
 __all__ = ["BearerAuth", "ProxyApp", "create_app", "require_upstreams"]
@@ -39,7 +40,7 @@ log = logging.getLogger("lorafleet.proxy")
 DEFAULT_BLOCK_SIZE = 16  # vLLM's GPU default, until a replica reports its own
 
 
-def require_upstreams(settings: Settings) -> None:
+def require_upstreams(settings: ProxySettings) -> None:
     if not settings.upstream_urls and not settings.proxy_upstream_dns:
         raise ConfigError("PROXY_UPSTREAMS / PROXY_UPSTREAM_DNS: set one of them (replica base URLs, or host:port "
                           "of a DNS name that resolves to every replica)")
@@ -56,10 +57,11 @@ class ProxyApp(FastAPI):
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    settings: Settings = app.state.settings
+    settings: ProxySettings = app.state.settings
     fleet: Fleet = app.state.fleet
+    ledger: Ledger = app.state.ledger
     log.info("proxy starting routing=%s upstreams=%s dns=%s ledger=%s adapters=%d", settings.proxy_routing,
-             settings.upstream_urls, settings.proxy_upstream_dns or "-", fleet.ledger.path, len(fleet.ledger))
+             settings.upstream_urls, settings.proxy_upstream_dns or "-", ledger.path, len(ledger))
     await fleet.start()
     fleet.supervise("leases", app.state.runs.expire_idle,
                     min(settings.run_lease_s / 4, settings.proxy_health_interval_s))
@@ -72,7 +74,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.upstreams.close()
 
 
-def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+def create_app(settings: ProxySettings, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """The proxy app for these settings; `transport` replaces the network for in-process tests."""
     require_upstreams(settings)
     metrics = Metrics()
@@ -83,7 +85,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     fleet = Fleet(settings, router, ledger, transport, metrics)
     upstreams = Upstreams(settings.proxy_request_timeout_s, settings.proxy_upstream_token)
     fleet.on_eject.append(upstreams.abandon)  # a hung replica's requests in flight are retried elsewhere
-    runs = Runs(settings, fleet, metrics, broadcast.unload_from_ready)
+    runs = Runs(settings, fleet, ledger, metrics, broadcast.unload_from_ready)
 
     app = ProxyApp(title="lorafleet proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
                    openapi_url="/openapi.json", exception_handlers={RequestValidationError: validation_error})
@@ -92,7 +94,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         fleet, router, ledger, metrics, runs)
     app.include_router(relayed_router())
     app.include_router(AdminPlane(fleet, runs, metrics, PauseElision(settings.proxy_sync_pause)).router())
-    app.include_router(FleetViews(settings, fleet, router, runs, metrics).router())
+    app.include_router(FleetViews(settings, fleet, ledger, router, runs, metrics).router())
     app.openapi = lambda: document(app)  # type: ignore[method-assign]
     app.front = Front(partial(FastAPI.__call__, app), fleet, router, metrics, upstreams,
                       settings.proxy_max_body_bytes, {route.path for route in app.routes},  # type: ignore[attr-defined]

@@ -1,13 +1,10 @@
 """Fleet-wide state changes: every ready replica or none.
 
-Each operation holds the fleet lock, so broadcasts never interleave with each other or with a
-replica's final sync check. The ledger is the truth replicas converge to: a replica that fails to
-undo or apply a change is taken out of traffic and re-synced rather than left inconsistent.
-
-Every change is acknowledged only once the ledger holds it on disk (`Ledger.commit`). When that
-write fails the replicas are put back as they were and the client gets a 500 naming the cause.
-Load, pause and resume change the replicas first and then the ledger; unload (and the unload half
-of a rebind) changes the ledger first, so a write failure there leaves the replicas untouched.
+Each operation runs under `guarded` (the fleet lock, nothing while the ledger is rebuilt, the ready replicas as
+targets), compensates when a replica fails (roll back those that applied it, or take the failing one out of traffic
+to re-sync), and is acknowledged only once the ledger holds it on disk (a failed write puts the replicas back: a
+500 naming the cause). Load, pause and resume change the replicas first and the ledger second; unload (and the
+unload half of a rebind) the ledger first. Each broadcast's rules: docs/concepts/sync.md.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from lorafleet.adapters import AdapterNameError, AdapterPathError, check_adapter_name, confine
-from lorafleet.ledger_file import Entry, LedgerState, fingerprint
+from lorafleet.ledger_format import Entry, LedgerState, fingerprint
 from lorafleet.runs import DEFAULT_RUN
 from lorafleet.vllm_api import VLLMError, VLLMUnreachable
 
@@ -47,7 +44,7 @@ def guarded(*, needs_ready: bool = True) -> Callable[[Operation[P]], Guarded[P]]
         @functools.wraps(operation)
         async def run(fleet: Fleet, *args: P.args, **kwargs: P.kwargs) -> Response:
             async with fleet.broadcasting():
-                if fleet.ledger.rebuilding:
+                if fleet.rebuilding:
                     return rebuilding(fleet)
                 targets = fleet.ready()
                 if needs_ready and not targets:
@@ -86,19 +83,6 @@ def _failures(results: list[tuple[Replica, Any]]) -> list[tuple[Replica, VLLMErr
     return [(replica, result) for replica, result in results if isinstance(result, VLLMError)]
 
 
-def _forget(fleet: Fleet, name: str, replicas: list[Replica]) -> None:
-    """`name` is gone from these replicas: drop it from the router and from their views; once it is out of the
-    ledger too, its canary references and answer counts go (bounded memory and metric labels)."""
-    fleet.router.drop_adapter(name)
-    for replica in replicas:
-        replica.adapters.pop(name, None)
-        replica.held.pop(name, None)
-        replica.served.pop(name, None)
-    if fleet.ledger.get(name) is None:
-        fleet.canary.forget(name)
-        fleet.metrics.forget_answers(adapter=name)
-
-
 # --- load ------------------------------------------------------------------------------------------
 def _check_load_request(fleet: Fleet, body: dict[str, Any]) -> tuple[str, str] | JSONResponse:
     name, path = body.get("lora_name"), body.get("lora_path")
@@ -110,7 +94,7 @@ def _check_load_request(fleet: Fleet, body: dict[str, Any]) -> tuple[str, str] |
                      "InvalidUserInput")
     try:
         check_adapter_name(name)
-        resolved = confine(str(path), fleet.settings.adapter_root)
+        resolved = confine(str(path), fleet.adapter_root)
     except (AdapterNameError, AdapterPathError) as exc:
         return error(400, str(exc), "InvalidUserInput")
     return name, str(resolved)
@@ -135,23 +119,23 @@ async def load_adapter(fleet: Fleet, body: dict[str, Any], run: str = DEFAULT_RU
 async def _load(fleet: Fleet, targets: list[Replica], name: str, entry: Entry,
                 admit: Callable[[LedgerState], JSONResponse | None] | None) -> Response:
     path, run = entry.path, entry.run
-    planned = fleet.ledger.state()
+    planned = fleet.snapshot()  # the load's admission may register its run here
     if admit is not None and (refusal := admit(planned)) is not None:
         return refusal
-    known = fleet.ledger.get(name)
+    known = fleet.recorded(name)
     if (known is not None and not _same(known, entry)) or any(
             name in r.held and not r.holds(name, entry) for r in targets):
         rebound = await _rebind(fleet, name, targets)
         if rebound is not None:
             return rebound
     todo = [replica for replica in targets if replica.state is State.READY and not replica.holds(name, entry)]
-    deadline = time.monotonic() + fleet.settings.proxy_lora_load_timeout_s
+    deadline = time.monotonic() + fleet.load_timeout_s
     results = await _each(fleet, todo, lambda replica: _load_one(replica, name, path, deadline))
     loaded = [replica for replica, result in results if not isinstance(result, VLLMError)]
     failed = _failures(results)
     if failed:
         return await _roll_back(fleet, name, loaded, failed, len(targets))
-    if fleet.ledger.paused is None:  # a paused replica would queue the probe: the round after the resume asks
+    if fleet.paused is None:  # a paused replica would queue the probe: the round after the resume asks
         refusal = await _canary_gate(fleet, name, entry, [r for r in targets if r.state is State.READY], deadline)
         if refusal is not None:
             return refusal
@@ -159,16 +143,10 @@ async def _load(fleet: Fleet, targets: list[Replica], name: str, entry: Entry,
         entry = Entry(path, await asyncio.to_thread(fingerprint, path), run)
     if not entry.fingerprint and known is not None and known.path == path:
         entry = known  # unreadable here now: keep what the ledger knew
-    state = fleet.ledger.state()
-    state.runs = planned.runs
-    state.adapters.pop(name, None)
-    state.adapters[name] = entry
-    if not state.same_as(fleet.ledger.state()) and (exc := fleet.commit(state)) is not None:
+    if (exc := fleet.record_load(name, entry, planned.runs)) is not None:
         await _unload_from(fleet, name, loaded, "rollback after a failed ledger write")
         return ledger_failed(exc, f"the load of {name!r} was rolled back on {len(loaded)} replica(s)")
-    for replica in fleet.ready():
-        replica.adapters[name] = path
-        replica.held[name] = entry
+    fleet.mark_loaded(name, entry)
     log.info("load ok name=%s path=%s fingerprint=%s replicas=%d (already there: %d)", name, path,
              entry.fingerprint or "-", len(targets), len(targets) - len(todo))
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -223,7 +201,7 @@ async def _unload_from(fleet: Fleet, name: str, replicas: list[Replica], why: st
     for replica, result in _failures(undone):
         if result.status != 404:
             fleet.resync(replica, f"{why}: unload of {name} failed: {result}")
-    _forget(fleet, name, replicas)
+    fleet.mark_unloaded(name, replicas)
 
 
 async def unload_from_ready(fleet: Fleet, name: str, why: str) -> None:
@@ -234,14 +212,14 @@ async def unload_from_ready(fleet: Fleet, name: str, why: str) -> None:
 async def _roll_back(fleet: Fleet, name: str, accepted: list[Replica], failed: list[tuple[Replica, VLLMError]],
                      total: int) -> JSONResponse:
     await _unload_from(fleet, name, accepted, "rollback")
-    fleet.metrics.rollbacks.labels("load").inc()
+    fleet.rolled_back("load")
     replica, first = failed[0]
     context = (f"{len(failed)}/{total} replica(s) failed to load {name!r}, first {replica.url}; "
                f"rolled back on {len(accepted)}")
     log.warning("load failed name=%s %s: %s", name, context, first)
     if first.adapter_not_found:
         # Never 404 to TRL (it reads 404 as "runtime LoRA disabled"): the volume did not catch up in time.
-        return error(504, f"{first.message} (still missing after {fleet.settings.proxy_lora_load_timeout_s:.0f}s) "
+        return error(504, f"{first.message} (still missing after {fleet.load_timeout_s:.0f}s) "
                      f"[proxy: {context}]", "GatewayTimeout")
     return relay(first, context)
 
@@ -251,10 +229,8 @@ async def _rebind(fleet: Fleet, name: str, targets: list[Replica]) -> JSONRespon
 
     The ledger drops the name first; if no replica could unload it, the ledger gets it back."""
     log.warning("load name=%s rebinds a known name to other weights: unloading it and resetting prefix caches", name)
-    previous = fleet.ledger.state()
-    without = previous.copy()
-    without.adapters.pop(name, None)
-    if not without.same_as(previous) and (exc := fleet.commit(without)) is not None:
+    previous = fleet.snapshot()
+    if (exc := fleet.record_unload(name)) is not None:
         return ledger_failed(exc, f"nothing was changed on the replicas (rebinding {name!r})")
     unloaded = await _each(fleet, targets, lambda replica: replica.client.unload_lora_adapter(name))
     broken = [(replica, result) for replica, result in _failures(unloaded) if result.status != 404]
@@ -263,7 +239,7 @@ async def _rebind(fleet: Fleet, name: str, targets: list[Replica]) -> JSONRespon
         return relay(broken[0][1], f"unloading {name!r} before rebinding it failed on every replica")
     for replica, result in broken:
         fleet.resync(replica, f"unload of {name} before rebinding failed: {result}")
-    _forget(fleet, name, targets)
+    fleet.mark_unloaded(name, targets)
     reset = await _each(fleet, [r for r in targets if r.state is State.READY],
                         lambda replica: replica.client.reset_prefix_cache())
     for replica, result in _failures(reset):
@@ -289,13 +265,10 @@ async def unload_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
 
 @guarded(needs_ready=False)
 async def _unload(fleet: Fleet, targets: list[Replica], name: str) -> Response:
-    previous = fleet.ledger.state()
+    previous = fleet.snapshot()
     in_ledger = name in previous.adapters
-    if in_ledger:
-        without = previous.copy()
-        del without.adapters[name]
-        if (exc := fleet.commit(without)) is not None:
-            return ledger_failed(exc, f"{name!r} was not unloaded from any replica")
+    if (exc := fleet.record_unload(name)) is not None:
+        return ledger_failed(exc, f"{name!r} was not unloaded from any replica")
     results = await _each(fleet, targets, lambda replica: replica.client.unload_lora_adapter(name))
     removed = [replica for replica, result in results if not isinstance(result, VLLMError)]
     absent = [replica for replica, result in _failures(results) if result.status == 404]
@@ -305,7 +278,7 @@ async def _unload(fleet: Fleet, targets: list[Replica], name: str) -> Response:
             log.error("unload name=%s failed everywhere and the ledger could not be restored: %s", name, exc)
         return relay(broken[0][1], f"unload of {name!r} failed on every replica ({len(broken)}); "
                      "nothing changed")
-    _forget(fleet, name, removed + absent)
+    fleet.mark_unloaded(name, removed + absent)
     for replica, exc in broken:
         fleet.resync(replica, f"unload of {name} failed: {exc}")  # it re-syncs to the ledger without it
     if not removed and not in_ledger and not broken:
@@ -335,21 +308,19 @@ async def pause(fleet: Fleet, mode: str) -> Response:
 
 @guarded()
 async def _pause(fleet: Fleet, targets: list[Replica], mode: str) -> Response:
-    previous = fleet.ledger.paused
+    previous = fleet.paused
     results = await _each(fleet, targets, lambda replica: replica.client.pause(mode))  # type: ignore[arg-type]
     paused = [replica for replica, result in results if not isinstance(result, VLLMError)]
     failed = _failures(results)
     if failed:
         if previous is None:
             await _set_pause(fleet, paused, None, "resume after a partial pause failed")
-        fleet.metrics.rollbacks.labels("pause").inc()
+        fleet.rolled_back("pause")
         context = (f"pause failed on {len(failed)}/{len(targets)} replica(s); the {len(paused)} paused are "
                    f"back to the fleet's previous state ({'paused' if previous else 'running'})")
         log.warning("pause failed mode=%s %s: %s", mode, context, failed[0][1])
         return relay(failed[0][1], context)
-    state = fleet.ledger.state()
-    state.paused = mode
-    if (exc := fleet.commit(state)) is not None:
+    if (exc := fleet.record_pause(mode)) is not None:
         if previous is None:
             await _set_pause(fleet, paused, None, "resume after a failed ledger write")
         return ledger_failed(exc, "the replicas are back to the fleet's previous pause state")
@@ -361,16 +332,14 @@ async def _pause(fleet: Fleet, targets: list[Replica], mode: str) -> Response:
 async def resume(fleet: Fleet, targets: list[Replica]) -> Response:
     """Resume every ready replica and record it in the ledger. If every replica fails, nothing changes and
     the error is returned; one that fails alone leaves traffic and re-syncs (which resumes it)."""
-    previous = fleet.ledger.paused
+    previous = fleet.paused
     results = await _each(fleet, targets, lambda replica: replica.client.resume())
     resumed = [replica for replica, result in results if not isinstance(result, VLLMError)]
     failed = _failures(results)
     if failed and not resumed:
         return relay(failed[0][1], f"resume failed on every replica ({len(results)}); the fleet stays "
                      f"{'paused' if previous else 'running'}")
-    state = fleet.ledger.state()
-    state.paused = None
-    if (exc := fleet.commit(state)) is not None:
+    if (exc := fleet.record_pause(None)) is not None:
         await _set_pause(fleet, resumed, previous, "pause again after a failed ledger write")
         return ledger_failed(exc, "the replicas are back to the fleet's previous pause state")
     for replica, exc in failed:
@@ -395,7 +364,7 @@ async def reset_cache(fleet: Fleet, path: str, params: dict[str, str]) -> Respon
 
 async def reset_prefix_cache(fleet: Fleet, params: dict[str, str]) -> Response:
     results = await post_everywhere(fleet, "/reset_prefix_cache", params)
-    fleet.router.clear()
+    fleet.prefix_caches_reset()
     failed = _failures(results)
     if failed:
         return relay(failed[0][1], f"/reset_prefix_cache failed on {len(failed)}/{len(results)} replica(s)")

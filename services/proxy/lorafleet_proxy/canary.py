@@ -1,28 +1,11 @@
 """The agreement canary: every replica that serves a name must decode it with the same weights.
 
-Consistency by construction (all-or-nothing loads, versioned names, the ledger) does not prove what an engine
-decodes with: engines have answered with other weights than the name said (a stale prefix cache after a reused
-name, an adapter in the wrong slot, the base model for an adapter, an adapter lost after sleep/wake). So the proxy
-asks. A probe is one small fixed greedy completion (`CANARY_PROMPT`, PROXY_CANARY_TOKENS tokens, temperature 0,
-the chosen tokens' log-probabilities and the runner-up's); every replica that serves a subject (the base model, an
-adapter) answers it, and the answers are compared: the same tokens, and log-probabilities within
-PROXY_CANARY_LOGPROB_TOLERANCE (batch composition moves their last digits on real vLLM; README "Agreement canary"
-says how the default was measured). A near-tie is no evidence: where the top two tokens of both answers lie within
-twice the tolerance, noise alone may pick either, so answers that part there agree (what follows decodes other
-prefixes and is not compared).
-
-Verdicts (`Canary.judge`):
-- a strict majority of the answering replicas agree: the others are odd, and the majority's answer becomes the
-  subject's reference;
-- no majority (two replicas that disagree, or every answer different): the reference decides when there is one
-  (the answer agreed when the subject was first probed); without one nothing is decided (`undecided`);
-- one replica: its answer is compared with the reference, or becomes it.
-References are kept per (subject, content fingerprint) in memory; a proxy restart records them anew at the
-first probe.
-
-What the fleet does with an odd replica (fleet.py, broadcast.py): it leaves routing at once, is re-synced (the
-adapter unloaded and reloaded, its prefix cache reset) and probed again before it is ready; a load answers only
-after its probe, so an odd replica never serves the new version.
+A probe is one small fixed greedy completion (`CANARY_PROMPT`, PROXY_CANARY_TOKENS tokens, temperature 0, the chosen
+tokens' log-probabilities and the runner-up's). `Canary.judge` compares the answers of the replicas serving one
+subject (the same tokens, log-probabilities within PROXY_CANARY_LOGPROB_TOLERANCE, a near-tie no evidence) and
+decides by strict majority, else by the subject's reference (kept per subject and content fingerprint, in memory).
+What the fleet does with an odd replica is canary_watch.py's and broadcast.py's. Why, and the verdicts in full:
+docs/concepts/provenance.md.
 """
 
 from __future__ import annotations
@@ -32,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafleet.settings import Settings
+from lorafleet.settings import ProxySettings
 from lorafleet.vllm_api import VLLMClient, VLLMError
 
 from .metrics import Metrics
@@ -45,7 +28,7 @@ Key = tuple[str, str]  # (subject, what it is: an adapter's fingerprint or path,
 
 
 @dataclass(frozen=True, slots=True)
-class Answer:
+class CanaryAnswer:
     """What a probe returned: the greedy tokens (ids, or the text where a replica gives none), their logprobs, and
     per token how far the runner-up was behind (empty where the replica did not say: no position is a near-tie)."""
 
@@ -53,7 +36,7 @@ class Answer:
     logprobs: tuple[float, ...]
     margins: tuple[float, ...] = ()
 
-    def agrees(self, other: Answer, tolerance: float) -> bool:
+    def agrees(self, other: CanaryAnswer, tolerance: float) -> bool:
         if len(self.tokens) != len(other.tokens) or len(self.logprobs) != len(other.logprobs):
             return False
         for position, (mine, theirs) in enumerate(zip(self.tokens, other.tokens, strict=True)):
@@ -67,7 +50,7 @@ class Answer:
         """Whether batch noise within `tolerance` could have chosen the runner-up at `position`."""
         return position < len(self.margins) and self.margins[position] <= 2 * tolerance
 
-    def distance(self, other: Answer) -> float:
+    def distance(self, other: CanaryAnswer) -> float:
         """The largest logprob difference (inf when the tokens differ): what a log line shows."""
         if self.tokens != other.tokens or len(self.logprobs) != len(other.logprobs):
             return float("inf")
@@ -78,13 +61,13 @@ class MalformedProbe(ValueError):
     """A probe's answer without the fields a verdict needs."""
 
 
-def parse_answer(body: dict[str, Any]) -> Answer:
+def parse_answer(body: dict[str, Any]) -> CanaryAnswer:
     try:
         choice = body["choices"][0]
         tokens = choice.get("token_ids") or [choice["text"]]
         logprobs = choice["logprobs"]["token_logprobs"]
         margins = tuple(_margin(top) for top in choice["logprobs"].get("top_logprobs") or ())
-        return Answer(tuple(tokens), tuple(float(value) for value in logprobs), margins)
+        return CanaryAnswer(tuple(tokens), tuple(float(value) for value in logprobs), margins)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise MalformedProbe(f"probe answer without tokens and logprobs: {type(exc).__name__}: {exc}") from exc
 
@@ -108,12 +91,12 @@ class Verdict:
 class Canary:
     """Probes and judges; remembers each subject's agreed answer (its reference)."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: ProxySettings, metrics: Metrics) -> None:
         self.tolerance = settings.proxy_canary_logprob_tolerance
         self.tokens = settings.proxy_canary_tokens
         self.timeout_s = settings.proxy_canary_timeout_s
         self.metrics = metrics
-        self.references: dict[Key, Answer] = {}
+        self.references: dict[Key, CanaryAnswer] = {}
         self.rounds = 0
         self.last_round: float | None = None  # monotonic time of the last periodic round
 
@@ -121,7 +104,7 @@ class Canary:
         return {"model": model, "prompt": CANARY_PROMPT, "max_tokens": self.tokens, "temperature": 0.0,
                 "logprobs": 2, "return_token_ids": True, "ignore_eos": True}
 
-    async def probe(self, client: VLLMClient, model: str) -> Answer | None:
+    async def probe(self, client: VLLMClient, model: str) -> CanaryAnswer | None:
         """One probe; None when the replica gave no usable answer (the breaker and the health loop see to it)."""
         self.metrics.canary_probes.inc()
         try:
@@ -131,12 +114,12 @@ class Canary:
             log.warning("canary probe failed replica=%s model=%s: %s", client.base_url, model, exc)
             return None
 
-    async def probe_all(self, model: str, clients: dict[str, VLLMClient]) -> dict[str, Answer]:
+    async def probe_all(self, model: str, clients: dict[str, VLLMClient]) -> dict[str, CanaryAnswer]:
         """Every replica (URL -> client) at once; those that gave no usable answer are left out."""
         results = await asyncio.gather(*(self.probe(client, model) for client in clients.values()))
         return {url: answer for url, answer in zip(clients, results, strict=True) if answer is not None}
 
-    def judge(self, key: Key, answers: dict[str, Answer]) -> Verdict:
+    def judge(self, key: Key, answers: dict[str, CanaryAnswer]) -> Verdict:
         """Who departs from the others (module docstring); records the reference when a majority agrees."""
         if not answers:
             return Verdict(why="no replica answered the probe: no vote")  # the breaker and health loop see to it
@@ -164,7 +147,7 @@ class Canary:
         return Verdict(decided=False, why=f"{len(answers)} replicas answer differently and no reference can tell "
                        "which is right")
 
-    def agrees_with_reference(self, key: Key, answer: Answer) -> bool | None:
+    def agrees_with_reference(self, key: Key, answer: CanaryAnswer) -> bool | None:
         """A lone replica's answer against the subject's reference (None: no reference yet)."""
         reference = self.references.get(key)
         return None if reference is None else answer.agrees(reference, self.tolerance)
@@ -175,7 +158,7 @@ class Canary:
             del self.references[key]
 
     @staticmethod
-    def _why(odd: list[str], answers: dict[str, Answer], agreed: Answer, whose: str) -> str:
+    def _why(odd: list[str], answers: dict[str, CanaryAnswer], agreed: CanaryAnswer, whose: str) -> str:
         return "; ".join(f"{url} departs from {whose}'s answer (tokens {list(answers[url].tokens)} vs "
                          f"{list(agreed.tokens)}, largest logprob difference {answers[url].distance(agreed):.4g})"
                          for url in odd)

@@ -1,12 +1,8 @@
 """Pause elision: the trainer's `keep` pause around an adapter load is answered without pausing replicas.
 
-With versioned adapter names (`trl-policy-vN`) a sync never changes the weights behind a name in use:
-rollouts in flight keep naming their version and TRL accounts for their staleness, so pausing the
-fleet for the save + load protects nothing and only stalls generation. Under PROXY_SYNC_PAUSE=elide
-a `keep` pause from the fleet port (the trainer's) and the resume that follows it touch no replica.
-`abort`/`wait` pauses and everything on the public port (operators) are still broadcast. A named run's
-pause (runs.py) pauses no replica anyway; its `keep` pause is elided the same way, so its requests are
-not held during its syncs either. Each run's elided pause waits for its own resume.
+Under PROXY_SYNC_PAUSE=elide a `keep` pause from the fleet port (a run's, the default run's included) and the resume
+that follows it touch no replica; `abort`/`wait` pauses and everything on the public port are still broadcast.
+Safe because every sync loads a new name and never changes the weights behind one in use: docs/concepts/sync.md.
 """
 
 from __future__ import annotations

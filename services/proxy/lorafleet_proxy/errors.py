@@ -54,7 +54,7 @@ def no_ready_replica(fleet: Fleet) -> JSONResponse:
 
 def rebuilding(fleet: Fleet) -> JSONResponse:
     return error(503, f"the fleet ledger is being rebuilt from the replicas (the file was unusable: "
-                 f"{fleet.ledger.unreadable_reason}); retry once a replica answers", "ServiceUnavailable")
+                 f"{fleet.unreadable_reason}); retry once a replica answers", "ServiceUnavailable")
 
 
 def ledger_failed(exc: LedgerWriteError, undone: str) -> JSONResponse:

@@ -1,40 +1,13 @@
 """The proxy's front: every request enters here; calls for one replica are relayed without FastAPI.
 
-Why: the generation routes carry every rollout (TRL keeps ~128 in flight per replica), and FastAPI's
-request handling, a general HTTP client and re-encoding bodies cost far more than routing. `Front`
-is the outermost ASGI layer of the app (inside bearer auth on the public port). For every request it
-enforces the body size limit (`PROXY_MAX_BODY_BYTES`, 413) and counts the answer by route and status;
-it relays the generation routes (POST /v1/completions, /v1/chat/completions) and the read-only
-helpers (/tokenize, /detokenize, /version, /is_sleeping) itself and hands everything else (admin,
-broadcasts, docs) to FastAPI. The upstream client is upstream.py: one keep-alive pool per replica.
-
-Generation requests: the body is read once, parsed with orjson, and only the fields routing reads are
-checked (`model` a string, `stream` a boolean, `prompt` a string / token ids in [0, 2^63) / a batch
-of those, `messages` a list of objects); everything else passes through untouched and the original
-bytes are forwarded. Bad input is a 400 in vLLM's validation-error shape before any routing: nothing
-reaches a replica. Read-only helpers go to the least loaded ready replica, body and query as given.
-
-Which replicas: a request naming an adapter goes only to ready replicas that hold it (prefix affinity
-among them); the base model (no `model`, its path or a served name from /server_info) goes to any
-ready replica. Any other name is a 404 from the proxy itself in vLLM's body ("The model `<n>` does
-not exist.", NotFoundError); nothing is sent.
-
-Retries: a connection error, a 5xx, or a holder's 404 "model does not exist" (it lost the adapter)
-before any byte reached the client is retried on another candidate, each replica at most once; a
-read timeout is a 504 and is not retried (the request was slow, not lost). Non-streaming answers are
-read whole first, so a replica dying mid-answer is retried too.
-
-Streams (`"stream": true`) are passed through chunk by chunk. If the replica's stream breaks after
-bytes reached the client, the proxy aborts the client's connection (no terminating chunk): the
-client sees an incomplete response, never a clean end. In-flight accounting wraps the whole exchange
-in try/finally, so a client that goes away at any point never leaks a count.
-
-Runs (the `runs` package decides; the front asks): a request under `/runs/<run>/` is served as the same route
-without the prefix, for that run: its `model` is mapped to the run's fleet-unique adapter name and back in the
-answer (`NameMap`), and, while several runs share the fleet, it waits while its run is paused and takes its turn
-in the fair-share queue (`Runs.turn`), which admits it onto a replica with room: the front tells it the request's
-candidates and routes among those with room when asked; the relay goes there first. A single-run fleet pays one set
-lookup for all of that.
+`Front` is the outermost ASGI layer (inside bearer auth on the public port). For every request it enforces the body
+limit (`PROXY_MAX_BODY_BYTES`, 413) and counts the answer by route and status; it relays the generation routes and
+the read-only helpers itself (validated only as far as routing reads, original bytes forwarded through upstream.py,
+retried on another candidate before any byte reached the client, streams aborted when the replica cuts them) and
+hands everything else to FastAPI. A relayed request is made once into a `RelayedRequest` (request.py) that routing,
+the retries, each attempt and its accounting read. Runs (`/runs/<run>/`, names, fair-share turns) are the `runs`
+package's decision; the front asks. Why and how, step by step: docs/concepts/architecture.md ("One rollout", "The
+generation path").
 """
 
 from __future__ import annotations
@@ -53,25 +26,26 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import bad_request, error, model_not_found, no_ready_replica
-from .fleet import Failure, Fleet
+from .fleet import Fleet
 from .metrics import Metrics
-from .replica import KEEPALIVE_EXPIRY_S, Replica
+from .replica import Failure, Replica
+from .request import RelayedRequest
 from .router import BadPrompt, Prompt, Router
 from .runs import NameMap, RunKeyRefused, Runs, Turn
-from .upstream import Answer, ConnectRefused, ConnectTimeout, Pool, ReadTimeout, UpstreamError
+from .upstream import ConnectRefused, ConnectTimeout, ReadTimeout, ReplicaAnswer, UpstreamError, Upstreams
 
 log = logging.getLogger("lorafleet.proxy.front")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")  # generation: POST, routed by prefix affinity
 READ_ONLY_ROUTES = {"/tokenize": "POST", "/detokenize": "POST", "/version": "GET", "/is_sleeping": "GET"}
-NOT_FOUND_MARK = b"does not exist"  # vLLM's 404 for a model it does not serve (see README)
+NOT_FOUND_MARK = b"does not exist"  # vLLM's 404 for a model it does not serve
 UPSTREAM_HEADER = PROXY_UPSTREAM_HEADER.lower().encode()  # which replica answered (tests and operators read it)
-# Provenance of a generation answer (README "Provenance"): the weights that produced it, by their fleet name (an
-# adapter's fleet-unique name, or the base model's), and the run it was served for.
+# Provenance of a generation answer (docs/concepts/provenance.md): the weights that produced it, by their fleet name (an
+# adapter's fleet-unique name, or the base model's), the run it was served for, and for an adapter the content
+# fingerprint the replica loaded it with (two versions under one name differ there).
 ADAPTER_HEADER = b"x-lorafleet-adapter"
 RUN_HEADER = b"x-lorafleet-run"
-PASSED_RESPONSE_HEADERS = ("content-type", "x-request-id")
-CONNECT_TIMEOUT_S = 10.0
+FINGERPRINT_HEADER = b"x-lorafleet-fingerprint"
 
 
 class StreamBroken(Exception):
@@ -138,37 +112,6 @@ def replay(body: bytes, receive: Receive) -> Receive:
     return again
 
 
-class Upstreams:
-    """One keep-alive pool per replica URL (upstream.py); pools of replicas that left the fleet are closed."""
-
-    def __init__(self, read_timeout_s: float, token: str) -> None:
-        self.read_timeout_s = read_timeout_s
-        self.headers = {"content-type": "application/json", "accept-encoding": "identity"} | (
-            {"authorization": f"Bearer {token}"} if token else {})
-        self.pools: dict[str, Pool] = {}
-
-    def pool(self, url: str, members: Iterable[str]) -> Pool:
-        pool = self.pools.get(url)
-        if pool is None:
-            for gone in set(self.pools) - set(members):
-                self.pools.pop(gone).close()
-            pool = self.pools[url] = Pool(url, self.headers, PASSED_RESPONSE_HEADERS, CONNECT_TIMEOUT_S,
-                                          self.read_timeout_s, KEEPALIVE_EXPIRY_S)
-        return pool
-
-    def abandon(self, url: str, reason: str) -> None:
-        """The replica at `url` left the fleet: its requests in flight fail now (and are retried elsewhere)."""
-        pool = self.pools.get(url)
-        if pool is not None and (given_up := pool.abandon(reason)):
-            log.warning("upstream %s left the fleet with %d request(s) in flight: retrying them elsewhere", url,
-                        given_up)
-
-    def close(self) -> None:
-        for pool in self.pools.values():
-            pool.close()
-        self.pools.clear()
-
-
 def serves_base(replica: Replica, name: str) -> bool:
     """`name` is the replica's base model: its model path or a served name (unknown info: let it decide)."""
     if replica.info is None:
@@ -233,9 +176,18 @@ class Front:
         elif scope["method"] == "POST" and scope["path"] in ROUTES:
             await self.generate(scope, raw, receive, send)
         elif READ_ONLY_ROUTES.get(scope["path"]) == scope["method"]:
-            await self.relay(scope, raw, receive, send)
+            await self.relay(self.request(scope, raw, receive, send))
         else:
             await self.app(scope, replay(raw, receive), send)
+
+    def request(self, scope: Scope, raw: bytes, receive: Receive, send: Send, adapter: str = "", shown: str = "",
+                stream: bool = False, prompts: list[Prompt] | None = None, names: NameMap | None = None,
+                turn: Turn | None = None) -> RelayedRequest:
+        """The request as the relay carries it (the generation-only fields left empty for a read-only helper)."""
+        path: str = scope["path"]
+        target = path + ("?" + scope["query_string"].decode("latin-1") if scope["query_string"] else "")
+        return RelayedRequest(scope, receive, send, scope["method"], path, target, raw, self.runs.of(scope), adapter,
+                              shown, stream, prompts, names, turn)
 
     async def generate(self, scope: Scope, raw: bytes, receive: Receive, send: Send) -> None:
         body = parse(raw)
@@ -257,51 +209,44 @@ class Front:
             raw = orjson.dumps({**body, "model": adapter})
         stream = body.get("stream") is True
         if not self.runs.shared:
-            await self.relay(scope, raw, receive, send, adapter, prompts, stream, model, names)
+            await self.relay(self.request(scope, raw, receive, send, adapter, model, stream, prompts, names))
             return
         candidates = lambda: [replica.url for replica in self.candidates(adapter, set())[0]]  # noqa: E731
         async with self.runs.turn(self.runs.of(scope), body, candidates,
                                   lambda room: self.route(adapter, prompts, room)) as turn:
-            await self.relay(scope, raw, receive, send, adapter, prompts, stream, model, names, turn)
+            await self.relay(self.request(scope, raw, receive, send, adapter, model, stream, prompts, names, turn))
 
-    async def relay(self, scope: Scope, raw: bytes, receive: Receive, send: Send, adapter: str = "",
-                    prompts: list[Prompt] | None = None, stream: bool = False, shown: str = "",
-                    names: NameMap | None = None, turn: Turn | None = None) -> None:
-        """Relay to one candidate replica, retrying on another; `prompts` None: the least loaded, no routing.
-
-        `shown`: the model as the client named it; `names`: the run's names to write back; `turn` (shared runs): the
-        fair-share turn, whose replica goes first and whose `answers` get the body of a non-streamed answer (token
-        counts)."""
-        path: str = scope["path"]
-        url = path + ("?" + scope["query_string"].decode("latin-1") if scope["query_string"] else "")
+    async def relay(self, request: RelayedRequest) -> None:
+        """Relay to one candidate replica, retrying on another; without prompts: the least loaded, no routing. A
+        fair-share turn's replica goes first (routed when its turn came), and a retry's slot moves with it."""
+        turn = request.turn
         tried: set[str] = set()
         last: Response | None = None
         while True:
-            candidates, held = self.candidates(adapter, tried)
+            candidates, held = self.candidates(request.adapter, tried)
             if not candidates:
                 break
             placed = turn.replica if turn is not None and not tried else None
             if placed is not None and any(candidate.url == placed for candidate in candidates):
                 replica = self.fleet.replicas[placed]  # routed when its turn came
-            elif prompts is None:
+            elif request.prompts is None:
                 replica = min(candidates, key=lambda candidate: candidate.load)
             else:
-                replica = self.fleet.replicas[self.route(adapter, prompts, [r.url for r in candidates])]
+                replica = self.fleet.replicas[self.route(request.adapter, request.prompts,
+                                                         [r.url for r in candidates])]
             if turn is not None:
                 turn.moved(replica.url)  # a retry's slot goes with it
             tried.add(replica.url)
-            subject = (adapter or self.base_name(replica)) if prompts is not None else None
-            failed = await self.attempt(replica, scope["method"], path, url, raw, stream, held, send, receive,
-                                        names, turn.answers if turn is not None else None, subject,
-                                        self.runs.of(scope))
+            failed = await self.attempt(request, replica, held)
             if failed is None:
                 return
             last = failed.response
             if not failed.retry:
                 break
         if last is None:
-            last = no_ready_replica(self.fleet) if not self.fleet.ready() else model_not_found(shown or adapter)
-        await last(scope, receive, send)
+            last = (no_ready_replica(self.fleet) if not self.fleet.ready()
+                    else model_not_found(request.shown or request.adapter))
+        await last(request.scope, request.receive, request.send)
 
     def route(self, adapter: str, prompts: list[Prompt], urls: list[str]) -> str:
         """The router's choice among `urls` for these prompts (recorded there, counted by outcome)."""
@@ -323,45 +268,46 @@ class Front:
     def base_name(replica: Replica) -> str:
         return replica.info.model if replica.info is not None else ""
 
-    async def attempt(self, replica: Replica, method: str, path: str, url: str, raw: bytes, stream: bool,
-                      held: bool, send: Send, receive: Receive, names: NameMap | None = None,
-                      answers: list[bytes] | None = None, subject: str | None = None, run: str = "") -> Failed | None:
+    async def attempt(self, request: RelayedRequest, replica: Replica, held: bool) -> Failed | None:
         """One exchange with one replica; None once the client has its answer, else why it failed.
 
-        `subject` (generations only): the weights asked for, by fleet name; the answer carries it and the run as
-        provenance headers, is counted per (replica, adapter), and the circuit breaker counts its outcome."""
-        provenance = [] if subject is None else [(ADAPTER_HEADER, subject.encode()), (RUN_HEADER, run.encode())]
+        A generation's subject (the weights asked for, by fleet name) and run go with the answer as provenance
+        headers; the answer is counted per (replica, adapter), and the circuit breaker counts its outcome."""
+        if not request.generation:
+            return await self._exchange(request, replica, held, [])
+        subject = request.adapter or self.base_name(replica)
+        provenance = [(ADAPTER_HEADER, subject.encode()), (RUN_HEADER, request.run.encode())]
+        if subject and (loaded := replica.held.get(subject)) is not None and loaded.fingerprint:
+            provenance.append((FINGERPRINT_HEADER, loaded.fingerprint.encode()))
         try:
-            failed = await self._exchange(replica, method, path, url, raw, stream, held, send, receive, names,
-                                          answers, provenance)
+            failed = await self._exchange(request, replica, held, provenance)
         except StreamBroken as exc:
-            if subject is not None:
-                self.fleet.generation_done(replica, True, str(exc))
+            self.fleet.generation_done(replica, True, str(exc))
             raise
-        if subject is not None:
-            if failed is None:
-                replica.served[subject] = replica.served.get(subject, 0) + 1
-                self.metrics.count_answer(replica.url, subject)
-                self.fleet.generation_done(replica, False)
-            elif failed.fault:
-                self.fleet.generation_done(replica, True, f"{failed.response.status_code} on {path}")
+        if failed is None:
+            replica.served[subject] = replica.served.get(subject, 0) + 1
+            self.metrics.count_answer(replica.url, subject)
+            self.fleet.generation_done(replica, False)
+        elif failed.fault:
+            self.fleet.generation_done(replica, True, f"{failed.response.status_code} on {request.path}")
         return failed
 
-    async def _exchange(self, replica: Replica, method: str, path: str, url: str, raw: bytes, stream: bool,
-                        held: bool, send: Send, receive: Receive, names: NameMap | None,
-                        answers: list[bytes] | None, provenance: list[tuple[bytes, bytes]]) -> Failed | None:
+    async def _exchange(self, request: RelayedRequest, replica: Replica, held: bool,
+                        provenance: list[tuple[bytes, bytes]]) -> Failed | None:
+        path = request.path
         replica.inflight += 1
         replica.routed += 1
         started = time.perf_counter()
-        answer: Answer | None = None
+        answer: ReplicaAnswer | None = None
         try:
-            answer = await self.upstreams.pool(replica.url, self.fleet.replicas).request(method, url, raw)
+            answer = await self.upstreams.pool(replica.url, self.fleet.replicas).request(request.method,
+                                                                                        request.target, request.raw)
             status = answer.status
-            if status >= 500 or status == 404 or not stream:
+            if status >= 500 or status == 404 or not request.stream:
                 content = await answer.read()
                 self.latencies[path].observe(time.perf_counter() - started)
-                if names is not None:
-                    content = names.body(content)
+                if request.names is not None:
+                    content = request.names.body(content)
                 if status >= 500 or (status == 404 and held and NOT_FOUND_MARK in content):
                     reason = "5xx" if status >= 500 else "404"
                     self.retries[reason].inc()
@@ -370,17 +316,17 @@ class Front:
                     headers = {name.decode(): value.decode("latin-1")
                                for name, value in self._headers(answer, replica, provenance)}
                     return Failed(Response(content, status, headers), True, fault=status >= 500)
-                await send({"type": "http.response.start", "status": status,
-                            "headers": [*self._headers(answer, replica, provenance),
-                                        (b"content-length", b"%d" % len(content))]})
-                await send({"type": "http.response.body", "body": content})
-                if answers is not None:
+                await request.send({"type": "http.response.start", "status": status,
+                                    "headers": [*self._headers(answer, replica, provenance),
+                                                (b"content-length", b"%d" % len(content))]})
+                await request.send({"type": "http.response.body", "body": content})
+                if (answers := request.answers) is not None:
                     answers.append(content)
                 return None
             self.latencies[path].observe(time.perf_counter() - started)
-            await send({"type": "http.response.start", "status": status,
-                        "headers": self._headers(answer, replica, provenance)})
-            await self._relay_stream(answer, replica, path, send, receive, names)
+            await request.send({"type": "http.response.start", "status": status,
+                                "headers": self._headers(answer, replica, provenance)})
+            await self._relay_stream(answer, replica, request)
             return None
         except ConnectTimeout as exc:  # slow to accept: ejected only if it lasts
             return self._transport_failure(replica, path, exc, "timeout")
@@ -398,12 +344,12 @@ class Front:
                 answer.close()
 
     @staticmethod
-    async def _relay_stream(answer: Answer, replica: Replica, path: str, send: Send, receive: Receive,
-                            names: NameMap | None = None) -> None:
+    async def _relay_stream(answer: ReplicaAnswer, replica: Replica, request: RelayedRequest) -> None:
         """Chunks as they come; a client that leaves stops the stream (the replica sees its connection close).
 
-        With `names`, the run's names are written back (`StreamRename` holds a tail that may be a split name)."""
-        renaming = names.stream() if names is not None else None
+        With the run's names, they are written back (`StreamRename` holds a tail that may be a split name)."""
+        renaming = request.names.stream() if request.names is not None else None
+        path, send, receive = request.path, request.send, request.receive
 
         async def relay() -> None:
             try:
@@ -445,6 +391,7 @@ class Front:
         return Failed(error(502, f"replica {replica.url} failed: {reason}", "BadGateway"), True)
 
     @staticmethod
-    def _headers(answer: Answer, replica: Replica, provenance: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    def _headers(answer: ReplicaAnswer, replica: Replica,
+                 provenance: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         """The replica's kept headers (content type, request id), which replica answered, and with what weights."""
         return [*answer.headers, (UPSTREAM_HEADER, replica.url.encode()), *provenance]

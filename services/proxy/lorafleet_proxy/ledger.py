@@ -3,7 +3,7 @@ content fingerprints) and whether the fleet is paused.
 
 It is the proxy's source of truth for catch-up: a replica that joins, comes back or restarted is
 loaded with every ledger entry, in order, and paused like the fleet before it gets traffic. The file
-format lives in `lorafleet.ledger_file` (the doctor reads the same file).
+format lives in `lorafleet.ledger_format` (the doctor reads the same file).
 
 Changes go through `commit`: the new state is written durably first and only then becomes the
 state in memory, so memory and disk never differ and a change whose write failed is not made.
@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from lorafleet.ledger_file import Entry, LedgerFileError, LedgerState, RunRecord, ledger_path, read, write
+from lorafleet.ledger_format import Entry, LedgerFileError, LedgerState, RunRecord, ledger_path, read, write
 
 __all__ = ["Ledger", "LedgerWriteError", "ledger_path"]
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import uvicorn
 import uvloop
 from lorafleet.logs import configure
-from lorafleet.settings import ConfigError, Settings, load_settings
+from lorafleet.settings import ConfigError, ProxySettings, load_settings
 
 from .app import BearerAuth, create_app, require_upstreams
 from .server_protocol import CoalescingHttpToolsProtocol
@@ -56,7 +56,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: ProxySettings) -> None:
     app = create_app(settings)
     gc.collect()
     gc.freeze()  # everything built at startup (modules, app, routes) is never traversed by the collector again
@@ -80,7 +80,7 @@ async def serve(settings: Settings) -> None:
 
 def main() -> None:
     try:
-        settings = load_settings()
+        settings = load_settings(ProxySettings)
         require_upstreams(settings)
     except ConfigError as exc:
         print(f"lorafleet-proxy: {exc}", file=sys.stderr)

@@ -93,7 +93,7 @@ class Metrics:
                                     "budget (409).", registry=r)
         self.run_expirations = Counter("lorafleet_proxy_run_expirations", "Runs expired after RUN_LEASE_S without a "
                                        "request (adapters unloaded fleet-wide).", registry=r)
-        # --- provenance, the agreement canary, the circuit breaker (canary.py, fleet.py) ----------------
+        # --- provenance, the agreement canary, the circuit breaker (canary.py, breaker.py) -------------
         self.answers = Counter("lorafleet_proxy_answers", "Generation answers per replica and adapter (fleet name; the "
                                "base model as named): which weights served what. Series go with the adapter.",
                                ["replica", "adapter"], registry=r)
@@ -104,6 +104,10 @@ class Metrics:
                                             "because their canary answer departed from the others'.", registry=r)
         self.canary_undecided = Counter("lorafleet_proxy_canary_undecided", "Canary rounds where replicas disagreed "
                                         "and neither a majority nor a reference could tell which is right.", registry=r)
+        self.adapter_content_changed = Counter(
+            "lorafleet_proxy_adapter_content_changed", "Adapters a syncing replica did not load because their files "
+            "no longer match the fingerprint recorded when the fleet loaded them (published weights changed on disk: "
+            "alert on any increase).", registry=r)
         self.breaker_trips = Counter("lorafleet_proxy_breaker_trips", "Replicas taken out of routing by the circuit "
                                      "breaker (generations failing).", registry=r)
         self._paused_at: float | None = None

@@ -15,16 +15,21 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Literal
 
 import httpx
-from lorafleet.ledger_file import Entry
+from lorafleet.ledger_format import Entry
 from lorafleet.vllm_api import ServerInfo, VLLMClient
+from lorafleet.vllm_compat import Capabilities
 
 # Idle connections expire before vLLM's (uvicorn's) 5 s keep-alive does: reusing one the server is
 # closing at that very moment would fail the request.
 KEEPALIVE_EXPIRY_S = 2.0
 # The parts of a replica's /server_info that GET /fleet repeats (system_env, a pip listing, is left out).
 SERVER_INFO_KEPT = ("vllm_config", "vllm_env")
+# How a replica failed a check or a routed call: refused (or reset: it died), timed out (it may only be busy), a bad
+# status, a malformed answer. Each counts differently toward ejection (health.py).
+Failure = Literal["refused", "timeout", "status", "malformed"]
 
 
 class State(StrEnum):
@@ -57,11 +62,15 @@ class Replica:
     sync_failures: int = 0  # consecutive failed syncs: the backoff before the next one doubles
     next_sync_at: float = 0.0
     info: ServerInfo | None = None
-    generates: bool | None = None  # the last warm-up completion succeeded (None: not tried yet); see fleet.py
+    vllm: Capabilities | None = None  # its vLLM version and routes, read at admission (None: not admitted yet)
+    generates: bool | None = None  # the last warm-up completion succeeded (None: not tried yet); see admission.py
     sync_task: asyncio.Task[None] | None = field(default=None, repr=False)
     suspect: set[str] = field(default_factory=set)  # subjects the canary doubted: reloaded (cache reset) at catch-up
     canary_failure: str | None = None  # why the canary took it out of routing, until it agrees again
     served: dict[str, int] = field(default_factory=dict)  # generation answers per adapter (provenance)
+    # Ledger entries its last catch-up did not load, with why: their files changed on disk after they were published
+    # (sync.py). Out of its routing view until the ledger entry changes or a later catch-up finds the files restored.
+    withheld: dict[str, tuple[Entry, str]] = field(default_factory=dict)
     outcomes: deque[bool] = field(default_factory=deque, repr=False)  # the breaker's window: True = failed
     failing: int = 0  # routed generations failed in a row
 
@@ -82,6 +91,11 @@ class Replica:
             return False
         return not (known.fingerprint and entry.fingerprint and known.fingerprint != entry.fingerprint)
 
+    def servable(self, wanted: dict[str, Entry]) -> dict[str, Entry]:
+        """The ledger's entries `wanted` less those this replica withholds (same entry: a rebind clears it)."""
+        return {name: entry for name, entry in wanted.items()
+                if name not in self.withheld or self.withheld[name][0] != entry}
+
     def as_json(self) -> dict[str, object]:
         """Its state, and its own view as last read (`server_info`: its /server_info JSON without the long
         `system_env`, None until read): the doctor sees a replica it cannot reach (internal network) so."""
@@ -89,4 +103,6 @@ class Replica:
         return {"url": self.url, "state": self.state.value, "inflight": self.inflight, "routed": self.routed,
                 "adapters": dict(self.adapters), "last_error": self.last_error, "generates": self.generates,
                 "canary": {"agrees": self.canary_failure is None, "failure": self.canary_failure},
-                "served": dict(self.served), "server_info": info}
+                "served": dict(self.served), "withheld": {name: why for name, (_, why) in self.withheld.items()},
+                "server_info": info,
+                "vllm_version": self.vllm.version if self.vllm is not None else None}

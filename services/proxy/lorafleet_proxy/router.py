@@ -1,35 +1,11 @@
 """KV-prefix affinity: send a request to the replica whose prefix cache already holds its prompt.
 
-vLLM caches whole KV blocks whose hash chains over the prompt's tokens and the adapter name. The
-router mirrors that: prompts are cut into blocks, hashes are chained, and each adapter has its own
-table (so `trl-policy-v3` never matches `v4`); each block remembers which replicas were sent it.
-
-Shared prefixes (chat template, system prompt) must not pull every prompt to one replica. A block
-is *common* once it is a branch point whose branches went to different replicas: two different
-prompts continue it and they live on different replicas, i.e. the prefix is fleet-wide. Ownership
-alone never makes a block common, so a spill (which adds a second owner) keeps the prompt specific
-and its later rollouts still go to a replica that caches it; continuations of one conversation on
-one replica never make its prefix common either. Common blocks are also remembered across adapter
-tables (by the same hash), so a new policy version starts knowing the template.
-
-Prompt forms (vLLM's): token ids are cut at the replicas' KV block size; text and chat prompts are
-hashed on their UTF-8 bytes (chat messages serialised canonically, one JSON object per message) in
-blocks of `block_size * BYTES_PER_TOKEN` bytes, which is deterministic but only approximates token
-blocks. A batched prompt (list of prompts) is routed as a whole to the replica holding the most
-specific blocks summed over its prompts, and all its prompts are recorded there (vLLM runs the whole
-batch on the replica that receives it).
-
-Cost is bounded per request: one hash chain over at most `max_route_blocks` leading blocks (a prompt
-longer than that is told apart by its head only, which GRPO's distinct problems are), O(1) table
-operations per block, and one pass over the candidate replicas; nothing grows with the table.
-Prompts that routing cannot read (a token id outside [0, 2^63), a lone surrogate, a wrong type)
-raise `BadPrompt`, which the proxy answers with a 400 before anything is sent.
-
-Memory is bounded: at most `max_blocks` entries. Each adapter's table has two generations of
-plain dicts (an approximate LRU at a third of an ordered dict's memory): a block that is used moves
-to `young`; when `young` holds half the budget it becomes `old` and the previous `old` is forgotten
-whole; over budget, the least recently used adapter's generations go first. Each entry is one
-int: owner bitmask plus the first successor's tag and replica.
+Prompts are cut into blocks of the replicas' KV block size and their hashes chained (over at most
+`max_route_blocks` leading blocks), one table per adapter; each block remembers which replicas were sent it. A block
+is *common* (ignored) once it is a branch point whose branches went to different replicas; the replica holding most
+of the prompt-specific blocks wins unless it is too far ahead in load. Cost per request and memory (`max_blocks`, two
+generations of plain dicts per adapter) are bounded. Prompts routing cannot read raise `BadPrompt` (a 400 before
+anything is sent). The rules and why: docs/concepts/architecture.md ("Routing by KV-prefix affinity").
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ class LoadLoRAAdapterRequest(BaseModel):
     """POST /v1/load_lora_adapter, as vLLM 0.31 reads it; unknown fields are ignored, as vLLM does."""
 
     lora_name: AdapterName = Field(description="Adapter name: letters, digits, '.', '_', '-' (at most 128).")
-    lora_path: str = Field(min_length=1, description="Adapter directory; must resolve inside ADAPTER_ROOT.")
+    lora_path: str = Field(min_length=1, description="Adapter directory; must resolve inside the run's folder "
+                           "ADAPTER_ROOT/runs/<run>/ (a fleet without run keys: the default run anywhere in "
+                           "ADAPTER_ROOT).")
     load_inplace: StrictBool = Field(False, description="Refused when true: load new weights under a new name.")
     is_3d_lora_weight: Literal[False] = Field(False, description="Not supported by the fleet proxy.")
 

@@ -1,7 +1,7 @@
 """Catch-up: bring one replica in line with the ledger (adapters, fingerprints, pause state).
 
-The replica's life around it (joining, the warm-up that proves it generates, ready, ejected) is told in fleet.py,
-which runs a catch-up as one stage of admitting a replica.
+The replica's life around it (joining, the warm-up that proves it generates, ready, ejected) is told in fleet.py;
+admission.py runs a catch-up as one stage of admitting a replica.
 
 A catch-up works without the fleet lock: it reads what the replica holds, unloads what the ledger does
 not name (or names with other content), loads what is missing in ledger order, matches the fleet's
@@ -19,20 +19,27 @@ import logging
 import time
 from typing import Protocol
 
-from lorafleet.ledger_file import Entry
+from lorafleet.ledger_format import Entry, fingerprint
 from lorafleet.vllm_api import VLLMClient, VLLMError
 
-from .ledger import Ledger
-from .replica import Replica, State
+from .replica import Replica
 
 
 class SyncFleet(Protocol):
     """What a catch-up needs of the fleet (fleet.Fleet is one); a protocol, so sync does not import fleet."""
 
-    ledger: Ledger
     lock: asyncio.Lock
 
+    @property
+    def paused(self) -> str | None: ...
+
+    def wanted(self) -> dict[str, Entry]: ...
+
+    def withhold(self, replica: Replica, name: str, entry: Entry, why: str) -> None: ...
+
     async def verify(self, replica: Replica) -> None: ...
+
+    def mark_ready(self, replica: Replica, adapters: dict[str, str]) -> None: ...
 
 
 log = logging.getLogger("lorafleet.proxy.sync")
@@ -60,7 +67,9 @@ async def load_until(client: VLLMClient, name: str, path: str, deadline: float) 
 
 
 def differences(replica: Replica, listed: dict[str, str], wanted: dict[str, Entry]) -> tuple[list[str], list[str]]:
-    """(names to unload, names to load) so that `replica`, which lists `listed`, holds exactly `wanted`."""
+    """(names to unload, names to load) so that `replica`, which lists `listed`, holds exactly `wanted` (less what it
+    withholds)."""
+    wanted = replica.servable(wanted)
     for name, path in listed.items():  # held at the ledger's path by a previous proxy: the ledger is the record
         if name not in replica.held and name in wanted and wanted[name].path == path:
             replica.held[name] = wanted[name]
@@ -87,14 +96,15 @@ async def catch_up(fleet: SyncFleet, replica: Replica, deadline: float) -> None:
     if "" in replica.suspect:  # the canary doubted its base model: no cache block computed before survives
         await replica.client.reset_prefix_cache()
         replica.suspect.discard("")
+    replica.withheld.clear()  # every catch-up checks the files again: restored ones are loaded
     while True:
         listed = await replica.client.loaded_adapters()
         replica.observe(listed)
-        wanted, paused = fleet.ledger.entries(), fleet.ledger.paused
+        wanted, paused = fleet.wanted(), fleet.paused
         stale, missing = differences(replica, listed, wanted)
         if stale or missing:
             log.info("replica syncing url=%s unload=%s load=%s", replica.url, stale, missing)
-            await _apply(replica, wanted, stale, missing, deadline)
+            await _apply(fleet, replica, wanted, stale, missing, deadline)
             continue
         if paused is not None:
             await replica.client.pause(paused)  # type: ignore[arg-type]
@@ -107,20 +117,30 @@ async def catch_up(fleet: SyncFleet, replica: Replica, deadline: float) -> None:
         async with fleet.lock:  # no broadcast half-done, and no replica I/O from here on
             # Broadcasts only touch ready replicas, so `listed` is still this replica's state; compare it with
             # the ledger as it is now (a broadcast may have changed it since it was read above).
-            wanted = fleet.ledger.entries()
-            if fleet.ledger.paused != paused or mismatch(replica, listed, paused is not None, wanted, paused):
+            wanted = fleet.wanted()
+            if fleet.paused != paused or mismatch(replica, listed, paused is not None, wanted, paused):
                 continue
             if replica.sync_task is not asyncio.current_task():
                 return  # superseded (ejected, removed or re-synced meanwhile)
-            replica.adapters = {name: entry.path for name, entry in wanted.items()}
-            replica.state = State.READY
-            replica.last_error = None
-            replica.sync_failures = 0
-            log.info("replica ready url=%s adapters=%s paused=%s", replica.url, list(wanted), paused)
+            fleet.mark_ready(replica, {name: entry.path for name, entry in replica.servable(wanted).items()})
+            log.info("replica ready url=%s adapters=%s paused=%s withheld=%s", replica.url, list(replica.adapters),
+                     paused, list(replica.withheld))
             return
 
 
-async def _apply(replica: Replica, wanted: dict[str, Entry], stale: list[str], missing: list[str],
+async def changed_since_published(entry: Entry) -> str | None:
+    """Why the files at `entry.path` are not the content the fleet loaded under this name (None: they are, or one of
+    the two fingerprints is unknown: the proxy could not read the files then or now)."""
+    if not entry.fingerprint:
+        return None
+    now = await asyncio.to_thread(fingerprint, entry.path)
+    if not now or now == entry.fingerprint:
+        return None
+    return (f"its files at {entry.path} changed on disk after it was published (fingerprint at load "
+            f"{entry.fingerprint}, now {now})")
+
+
+async def _apply(fleet: SyncFleet, replica: Replica, wanted: dict[str, Entry], stale: list[str], missing: list[str],
                  deadline: float) -> None:
     for name in stale:
         try:
@@ -134,6 +154,12 @@ async def _apply(replica: Replica, wanted: dict[str, Entry], stale: list[str], m
     if any(name in wanted for name in stale):
         await replica.client.reset_prefix_cache()  # a name rebound to new weights, or doubted: no stale blocks
     for name in missing:
+        why = await changed_since_published(wanted[name])
+        if why is not None:  # a name is one content: this replica serves the rest, and routing skips it for this one
+            fleet.withhold(replica, name, wanted[name], why)
+            log.error("replica withholds adapter url=%s name=%s: %s; not loaded there and not routed to it for this "
+                      "name (restore the files, or publish the new weights under a new name)", replica.url, name, why)
+            continue
         await load_until(replica.client, name, wanted[name].path, deadline)
         replica.held[name] = wanted[name]
         replica.suspect.discard(name)

@@ -14,6 +14,8 @@ alive per replica, and tell failures apart the way the proxy acts on them:
 - `Disconnected`: the connection broke, or the answer was malformed, before it was complete.
 - `Abandoned`: the proxy gave the exchange up (`Pool.abandon`): the replica left the fleet with it in flight.
 
+`Upstreams` keeps one pool per replica URL for the front and closes the pools of replicas that left the fleet.
+
 The response parser is httptools (llhttp, the parser of Node.js and of uvicorn's server side).
 Idle connections are reused newest first and closed once idle for `keepalive_s` (a sweep runs while
 any are idle), which stays below the replica's own keep-alive so the proxy never reuses a connection
@@ -23,14 +25,21 @@ the server is closing, and a quiet proxy holds no sockets.
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from collections.abc import AsyncIterator, Iterable
 from urllib.parse import urlsplit
 
 import httptools
 
+from .replica import KEEPALIVE_EXPIRY_S
+
+log = logging.getLogger("lorafleet.proxy.front")  # the front's pools: their events keep the front's logger
+
 # A stream whose client reads slower than the replica writes stops reading from the replica past this.
 STREAM_BUFFER_BYTES = 256 * 1024
+PASSED_RESPONSE_HEADERS = ("content-type", "x-request-id")  # the replica's headers the client gets
+CONNECT_TIMEOUT_S = 10.0
 
 
 class UpstreamError(Exception):
@@ -57,7 +66,7 @@ class Abandoned(UpstreamError):
     """The proxy gave the exchange up: the replica left the fleet (hung, failing) with the request in flight."""
 
 
-class Answer:
+class ReplicaAnswer:
     """One response: status, the headers the pool keeps, and the body as it arrives."""
 
     __slots__ = ("_buffered", "_chunks", "_connection", "_done", "_error", "_waiter", "headers", "status")
@@ -138,8 +147,8 @@ class _Connection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.head: asyncio.Future[Answer] | None = None  # until the answer's headers are in
-        self.answer: Answer | None = None  # from the headers until the body is complete
+        self.head: asyncio.Future[ReplicaAnswer] | None = None  # until the answer's headers are in
+        self.answer: ReplicaAnswer | None = None  # from the headers until the body is complete
         self.headers: list[tuple[bytes, bytes]] = []
         self.length_known = False
         self.last_read = 0.0
@@ -181,7 +190,7 @@ class _Connection(asyncio.Protocol):
             self.length_known = True
 
     def on_headers_complete(self) -> None:
-        answer = self.answer = Answer(self.parser.get_status_code(), self.headers, self)
+        answer = self.answer = ReplicaAnswer(self.parser.get_status_code(), self.headers, self)
         self.headers = []
         head, self.head = self.head, None
         if head is not None and not head.done():
@@ -203,7 +212,7 @@ class _Connection(asyncio.Protocol):
             self.abort()
 
     # --- used by the pool and the answer ------------------------------------------------------------
-    def send(self, data: bytes, read_timeout_s: float) -> asyncio.Future[Answer]:
+    def send(self, data: bytes, read_timeout_s: float) -> asyncio.Future[ReplicaAnswer]:
         self.head = self.loop.create_future()
         self.last_read = self.loop.time()
         self.timer = self.loop.call_later(read_timeout_s, self._check_timeout, read_timeout_s)
@@ -277,7 +286,7 @@ class Pool:
         self.sweeper: asyncio.TimerHandle | None = None
         self.closed = False
 
-    async def request(self, method: str, target: str, body: bytes = b"") -> Answer:
+    async def request(self, method: str, target: str, body: bytes = b"") -> ReplicaAnswer:
         """Send one request (the pool's fixed headers); returns once the answer's headers are in. Read or
         close the answer."""
         connection = self._idle() or await self._connect()
@@ -353,3 +362,34 @@ class Pool:
         except OSError as exc:
             raise ConnectRefused(f"cannot connect to {self.url}: {exc}") from None
         return connection
+
+
+class Upstreams:
+    """One keep-alive pool per replica URL; pools of replicas that left the fleet are closed."""
+
+    def __init__(self, read_timeout_s: float, token: str) -> None:
+        self.read_timeout_s = read_timeout_s
+        self.headers = {"content-type": "application/json", "accept-encoding": "identity"} | (
+            {"authorization": f"Bearer {token}"} if token else {})
+        self.pools: dict[str, Pool] = {}
+
+    def pool(self, url: str, members: Iterable[str]) -> Pool:
+        pool = self.pools.get(url)
+        if pool is None:
+            for gone in set(self.pools) - set(members):
+                self.pools.pop(gone).close()
+            pool = self.pools[url] = Pool(url, self.headers, PASSED_RESPONSE_HEADERS, CONNECT_TIMEOUT_S,
+                                          self.read_timeout_s, KEEPALIVE_EXPIRY_S)
+        return pool
+
+    def abandon(self, url: str, reason: str) -> None:
+        """The replica at `url` left the fleet: its requests in flight fail now (and are retried elsewhere)."""
+        pool = self.pools.get(url)
+        if pool is not None and (given_up := pool.abandon(reason)):
+            log.warning("upstream %s left the fleet with %d request(s) in flight: retrying them elsewhere", url,
+                        given_up)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()

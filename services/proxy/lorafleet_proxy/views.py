@@ -16,14 +16,15 @@ from typing import Any, Literal
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from lorafleet.ledger_file import entries_json
-from lorafleet.settings import Settings
+from lorafleet.ledger_format import entries_json
+from lorafleet.settings import ProxySettings
 from lorafleet.vllm_api import PROXY_UPSTREAM_HEADER, VLLMError
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .errors import no_ready_replica, relay
 from .fleet import Fleet, State
+from .ledger import Ledger
 from .metrics import Metrics
 from .openapi import mount
 from .router import Router
@@ -33,9 +34,11 @@ from .runs import Runs
 class FleetViews:
     """The handlers of the read-only routes, with what they need injected; `router()` mounts them."""
 
-    def __init__(self, settings: Settings, fleet: Fleet, router: Router, runs: Runs, metrics: Metrics) -> None:
+    def __init__(self, settings: ProxySettings, fleet: Fleet, ledger: Ledger, router: Router, runs: Runs,
+                 metrics: Metrics) -> None:
         self.settings = settings
         self.fleet = fleet
+        self.ledger = ledger
         self.routing = router
         self.runs = runs
         self.metrics = metrics
@@ -108,7 +111,7 @@ class FleetViews:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def fleet_view(self) -> Response:
-        ledger, router = self.fleet.ledger, self.routing
+        ledger, router = self.ledger, self.routing
         return JSONResponse({
             "replicas": [replica.as_json() for replica in self.fleet.replicas.values()],
             "ledger": entries_json(ledger.state()),
@@ -132,7 +135,7 @@ class FleetViews:
             metrics.inflight.labels(replica.url).set(replica.inflight)
             metrics.replica_adapters.labels(replica.url).set(len(replica.adapters))
         metrics.tracked_blocks.set(self.routing.tracked_blocks)
-        metrics.ledger_size.set(len(self.fleet.ledger))
+        metrics.ledger_size.set(len(self.ledger))
         self.runs.export()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

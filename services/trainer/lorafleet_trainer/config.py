@@ -1,6 +1,6 @@
 """Map the shared settings onto TRL's AsyncGRPOConfig and PEFT's LoraConfig, in one pure function.
 
-Defaults are those of the best published run (DESIGN.md, Trainer): rank 1, alpha 2, all-linear,
+Defaults are those of the best published run: rank 1, alpha 2, all-linear,
 lr 4e-5, 8 generations, token_budget 16384, no gradient checkpointing, 128 rollouts in flight per
 replica, a queue of twice that, max_staleness 4, a sync every 4 steps, adam beta2 0.95.
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorafleet.lora import build_lora_config
-from lorafleet.settings import ConfigError, Settings
+from lorafleet.settings import ConfigError, TrainerSettings
 
 from lorafleet_trainer.ranks import RankPlan
 
@@ -86,7 +86,7 @@ def sharding_args(plan: RankPlan) -> dict[str, Any]:
     return {}
 
 
-def use_bf16(settings: Settings, cuda: bool) -> bool:
+def use_bf16(settings: TrainerSettings, cuda: bool) -> bool:
     """bf16 mixed precision: TRL's default on GPU; never on CPU, where the replicas serve float32."""
     if settings.trainer_precision == "auto":
         return cuda
@@ -103,12 +103,12 @@ def base_dtype(bf16: bool) -> str:
     return "bfloat16" if bf16 else "float32"
 
 
-def inflight_tasks(settings: Settings, replicas: int) -> int:
+def inflight_tasks(settings: TrainerSettings, replicas: int) -> int:
     """TRL's max_inflight_tasks caps the whole worker, not one server: scale it by the replica count."""
     return settings.max_inflight_per_replica * max(replicas, 1)
 
 
-def build_configs(settings: Settings, *, replicas: int, ranks: RankPlan,
+def build_configs(settings: TrainerSettings, *, replicas: int, ranks: RankPlan,
                   trl_args: dict[str, Any] | None = None) -> TrainerConfigs:
     """AsyncGRPOConfig + LoraConfig for `settings`, with output_dir = <ADAPTER_ROOT>/runs/<RUN_NAME>, plus the
     task's `trl_args` (AsyncGRPOConfig fields lorafleet has no setting for)."""
@@ -128,7 +128,7 @@ def refuse_clashes(trl_args: dict[str, Any], lorafleet_fields: set[str]) -> None
                           "those in the task's `defaults` (lorafleet setting names) instead")
 
 
-def lorafleet_fields(settings: Settings) -> set[str]:
+def lorafleet_fields(settings: TrainerSettings) -> set[str]:
     """Every AsyncGRPOConfig field lorafleet sets from its settings, on any device and sharding."""
     fields = set(grpo_fields(settings, replicas=1, ranks=RankPlan(1, "cpu", "none")))
     for sharding in ("fsdp2", "ddp"):
@@ -136,7 +136,7 @@ def lorafleet_fields(settings: Settings) -> set[str]:
     return fields
 
 
-def grpo_fields(settings: Settings, *, replicas: int, ranks: RankPlan) -> dict[str, Any]:
+def grpo_fields(settings: TrainerSettings, *, replicas: int, ranks: RankPlan) -> dict[str, Any]:
     """The AsyncGRPOConfig arguments lorafleet derives from `settings` (pure: nothing is built)."""
     cuda = ranks.device == "cuda"
 

@@ -24,11 +24,11 @@ from typing import Any
 
 import httpx
 from lorafleet.logs import log_event
-from lorafleet.settings import Settings
+from lorafleet.settings import TrainerSettings
 from transformers import TrainerCallback
 from trl.trainer.utils import get_callable_name
 
-from lorafleet_trainer.run_key import bearer
+from lorafleet_trainer.run_key_file import bearer
 from lorafleet_trainer.tasks.checks import environment_tools
 from lorafleet_trainer.tasks.guards import FaultLog, guard_environment, guard_reward, guard_tool
 from lorafleet_trainer.tasks.spec import Task
@@ -77,7 +77,7 @@ def _mean(values: list[float | None]) -> float | None:
 class Evaluator:
     """Greedy episodes of the eval set through the fleet, scored with the task's rewards."""
 
-    def __init__(self, task: Task, settings: Settings, run_key: str) -> None:
+    def __init__(self, task: Task, settings: TrainerSettings, run_key: str) -> None:
         self.task, self.settings, self.run_key = task, settings, run_key
         self.faults = FaultLog()
         self.turns = min(int(task.settings.trl_args.get("max_tool_calling_iterations") or MAX_EVAL_TURNS),
@@ -241,7 +241,7 @@ class EvalCallback(TrainerCallback):
             self._pending = result.as_logs()
 
 
-def eval_callbacks(task: Task, settings: Settings, run_key: str, main_rank: bool,
+def eval_callbacks(task: Task, settings: TrainerSettings, run_key: str, main_rank: bool,
                    write: Callable[[int, dict[str, Any]], None]) -> list[EvalCallback]:
     """[EvalCallback] when the task has an eval set, EVAL_EVERY_STEPS is set and this is the main process; `write`
     appends a metrics.jsonl line (MetricsJsonl.append) for the pass the end of training would otherwise lose."""

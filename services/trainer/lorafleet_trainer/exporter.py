@@ -17,7 +17,7 @@ from typing import Any
 
 from lorafleet.adapters import lora_dir, policy_version
 from lorafleet.logs import log_event
-from lorafleet.settings import Settings
+from lorafleet.settings import TrainerSettings
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -120,7 +120,7 @@ class TrainerMetrics(Collector):
 class PrometheusExporter(TrainerCallback):
     """Serves TrainerMetrics over HTTP from the main process once training begins (rank 0 only)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: TrainerSettings) -> None:
         self.host, self.port = settings.trainer_metrics_host, settings.trainer_metrics_port
         self.metrics = TrainerMetrics(lora_dir(settings.adapter_root, settings.run_name))
         self.serving = False
@@ -141,6 +141,6 @@ class PrometheusExporter(TrainerCallback):
             self.metrics.record(logs, state.global_step)
 
 
-def exporter_callbacks(settings: Settings) -> list[TrainerCallback]:
+def exporter_callbacks(settings: TrainerSettings) -> list[TrainerCallback]:
     """[PrometheusExporter] when TRAINER_METRICS_PORT is set, [] when it is 0 (off)."""
     return [PrometheusExporter(settings)] if settings.trainer_metrics_port else []

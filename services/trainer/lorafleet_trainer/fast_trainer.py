@@ -1,4 +1,4 @@
-"""TRL 1.16's AsyncGRPOTrainer with lorafleet's fast step (fast_step.py): prefetched micro-batches, a sync-free loss.
+"""TRL 1.16's AsyncGRPOTrainer with lorafleet's fast step (fast_step/): prefetched micro-batches, a sync-free loss.
 
 A module of its own because it imports TRL at load time; `main.build_trainer` imports it only when the step needs it.
 The subclass changes where and when TRL's work is done, not what it computes: the planner, collator, loss formula
@@ -18,18 +18,11 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
     TokenBudgetBatcher,
 )
 
-from lorafleet_trainer.fast_step import (
-    FAST_KEY,
-    PLAIN,
-    MicroBatchStream,
-    PackingProcess,
-    StepOptions,
-    StepTimer,
-    StepVersions,
-    compact_batch,
-    flush_loss_metrics,
-    sync_free_loss,
-)
+from lorafleet_trainer.fast_step.loss import FAST_KEY, compact_batch, flush_loss_metrics, sync_free_loss
+from lorafleet_trainer.fast_step.options import PLAIN, StepOptions
+from lorafleet_trainer.fast_step.packing_process import PackingProcess
+from lorafleet_trainer.fast_step.prefetch import MicroBatchStream, StepVersions
+from lorafleet_trainer.fast_step.timing import StepTimer
 
 
 class FastStepTrainer(AsyncGRPOTrainer):

@@ -3,7 +3,7 @@
 TRL silently falls back to merged full-weight sync (NCCL, one replica only behind a proxy) when the
 server cannot take adapters; lorafleet refuses to start instead, with TRL's own reason. The decision
 itself is TRL's `select_adapter_sync`, fed the same `/server_info` TRL will read. Every call sends the run's key
-(TRAINER_RUN_KEY_FILE, run_key.py) when it has one.
+(TRAINER_RUN_KEY_FILE, run_key_file.py) when it has one.
 """
 
 from __future__ import annotations
@@ -11,15 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from importlib.metadata import entry_points
 from typing import Any
 
 from lorafleet.adapters import policy_version
 from lorafleet.logs import log_event
-from lorafleet.runs import DEFAULT_RUN, fleet_url, url_run
-from lorafleet.settings import Settings
+from lorafleet.runs import DEFAULT_RUN, url_run
+from lorafleet.settings import TrainerSettings
 from lorafleet.vllm_api import VLLMClient, VLLMError
 
 log = logging.getLogger(__name__)
+PREFLIGHT_GROUP = "lorafleet.preflight"
 
 
 class PreflightError(RuntimeError):
@@ -84,7 +86,7 @@ async def wait_healthy(client: VLLMClient, timeout_s: float) -> None:
         await asyncio.sleep(2.0)
 
 
-async def probe_fleet(settings: Settings, client: VLLMClient) -> int:
+async def probe_fleet(settings: TrainerSettings, client: VLLMClient) -> int:
     """Wait for the fleet to be healthy and return its ready replica count (TRAINER_REPLICAS wins when set)."""
     await wait_healthy(client, settings.trainer_server_timeout_s)
     if settings.trainer_replicas:
@@ -95,7 +97,7 @@ async def probe_fleet(settings: Settings, client: VLLMClient) -> int:
     return replicas
 
 
-async def register_run(settings: Settings, client: VLLMClient) -> None:
+async def register_run(settings: TrainerSettings, client: VLLMClient) -> None:
     """On a shared fleet (TRAINER_VLLM_URL ends in /runs/<run>), reserve this run's LoRA slots before TRL starts.
 
     The proxy answers 409 naming its slot budget when MAX_STALENESS + 2 slots do not fit beside the other
@@ -113,7 +115,7 @@ async def register_run(settings: Settings, client: VLLMClient) -> None:
               budget=answer.get("budget", {}).get("capacity"))
 
 
-async def preflight(settings: Settings, lora_config: Any, client: VLLMClient) -> None:
+async def preflight(settings: TrainerSettings, lora_config: Any, client: VLLMClient) -> None:
     """Refuse a fleet TRL would not sync adapters to, before anything changes it (the doctor runs after the sweep)."""
     await wait_healthy(client, settings.trainer_server_timeout_s)
     info = await client.server_info()
@@ -146,46 +148,41 @@ async def sweep_policies(client: VLLMClient) -> list[str]:
     return swept
 
 
-async def doctor_preflight(settings: Settings, lora_config: Any) -> None:
-    """Run the doctor's checklist against the fleet and refuse to train on any FAIL.
+async def doctor_preflight(settings: TrainerSettings, lora_config: Any) -> None:
+    """Run the doctor's checklist against the fleet and refuse to train on any FAIL (PreflightError).
 
-    The one exception is `ratio`: it judges the run's past (metrics.jsonl), so a FAIL there is
-    logged loudly but does not block resuming once the fleet itself passes. A run on a shared fleet checks
-    the fleet itself (the proxy's own URL), and probes it only while no other run trains: the probe
-    pauses every replica, which would stall the other runs.
+    The doctor belongs to the operations package, which may import the trainer and so is never imported by it: it is
+    found by name, as the entry point `lorafleet.preflight: doctor` (ops/pyproject.toml), and a trainer installed
+    without it refuses to start rather than train unchecked.
     """
-    from lorafleet.commands.doctor import Status, failed, render_table, run_doctor
-
-    url = settings.trainer_vllm_url
-    shared = url_run(url) != DEFAULT_RUN
-    results = await run_doctor(settings, fleet_url(url), probe=None if shared else True, peft_config=lora_config)
-    blocking = [result for result in failed(results) if result.name != "ratio"]
-    for result in results:
-        if result.status is not Status.PASS:
-            log_event(log, "doctor_check", logging.WARNING if result not in blocking else logging.ERROR,
-                      check=result.name, status=result.status.value, reason=result.reason, fix=result.fix)
-    if blocking:
-        raise PreflightError("refusing to start: the doctor found problems\n" + render_table(blocking))
-    log_event(log, "doctor_passed", checks=len(results))
+    found = entry_points(group=PREFLIGHT_GROUP, name="doctor")
+    if not found:
+        raise PreflightError("refusing to start: the doctor (the lorafleet-ops package, entry point "
+                             f"{PREFLIGHT_GROUP}: doctor) is not installed beside the trainer")
+    refusal = await next(iter(found)).load()(settings, lora_config)
+    if refusal:
+        raise PreflightError(refusal)
 
 
-def fleet_client(settings: Settings, run_key: str) -> VLLMClient:
+def fleet_client(settings: TrainerSettings, run_key: str) -> VLLMClient:
     """A client for TRAINER_VLLM_URL that sends `run_key` as its Bearer key ("" = none)."""
     return VLLMClient(settings.trainer_vllm_url, token=run_key)
 
 
-async def fleet_size(settings: Settings, *, run_key: str) -> int:
+async def fleet_size(settings: TrainerSettings, *, run_key: str) -> int:
     """probe_fleet against TRAINER_VLLM_URL."""
     async with fleet_client(settings, run_key) as client:
         return await probe_fleet(settings, client)
 
 
-async def prepare_fleet(settings: Settings, lora_config: Any, *, run_key: str) -> None:
+async def prepare_fleet(settings: TrainerSettings, lora_config: Any, *, run_key: str) -> list[str]:
     """register_run (shared fleets), preflight, sweep_policies, then the doctor's whole checklist, against
-    TRAINER_VLLM_URL. (The doctor reads TRAINER_RUN_KEY_FILE itself.)"""
+    TRAINER_VLLM_URL. (The doctor reads TRAINER_RUN_KEY_FILE itself.) Returns the swept names: this run's next
+    version must pass them (resume.py)."""
     async with fleet_client(settings, run_key) as client:
         await wait_healthy(client, settings.trainer_server_timeout_s)
         await register_run(settings, client)
         await preflight(settings, lora_config, client)
-        await sweep_policies(client)
+        swept = await sweep_policies(client)
     await doctor_preflight(settings, lora_config)
+    return swept

@@ -13,7 +13,9 @@ becomes `FleetRolloutLoop` (pickled by reference: the child imports it from this
   `RETRY_MAX_S` at most until TRAINER_FLEET_WAIT_S has passed since its first failure, each retry logged with the
   time waited; other 4xx answers are final (a retry cannot mend a refused key or a bad request);
 - the task's rewards, tools and environments run guarded (tasks/guards.py: TASK_TIMEOUT_S, faults counted);
-- each multi-turn episode asks for the adapter version episodes.py chooses (TRAINER_PIN_EPISODES).
+- each multi-turn episode asks for the adapter version episodes.py chooses (TRAINER_PIN_EPISODES);
+- prompt groups are named by their position in the prompt stream and a resumed child starts where the checkpoint's
+  consumed prompts end, skipping those consumed past it (resume.py).
 
 TRL's private names are checked at start: a TRL without them refuses to start (a config error) rather than sending
 no key or giving up early. A module of its own because it imports TRL's rollout worker at load time.
@@ -25,15 +27,15 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import aiohttp
-from lorafleet.settings import ConfigError, Settings
+from lorafleet.settings import ConfigError, TrainerSettings
 from trl.experimental.async_grpo import async_rollout_worker as trl_worker
 
 from lorafleet_trainer.episodes import CURRENT, MIXED_METRIC, Episode
-from lorafleet_trainer.run_key import bearer
+from lorafleet_trainer.run_key_file import bearer
 from lorafleet_trainer.tasks.guards import FaultLog, guard_environment, guard_reward, guard_tool
 
 log = logging.getLogger("lorafleet_trainer.rollouts")  # not TRL's: accelerate's logger raises before PartialState()
@@ -43,6 +45,8 @@ FLEET_WAIT_KWARG = "fleet_wait_s"
 TASK_TIMEOUT_KWARG = "task_timeout_s"
 PIN_EPISODES_KWARG = "pin_episodes"
 MAX_STALENESS_KWARG = "max_staleness"
+RESUME_START_KWARG = "resume_start"  # set by resume.PromptTracker.bind
+RESUME_SKIP_KWARG = "resume_skip"
 RETRY_MAX_S = 5.0  # back on the fleet within seconds of its return
 RETRY_STATUSES = frozenset({408, 429})  # the 4xx answers that say "later", not "no"
 COMPLETIONS_LABEL = "vllm /v1/completions"  # TRL's label of its outer, per-completion retry
@@ -62,12 +66,26 @@ def retryable(exc: BaseException) -> bool:
     return isinstance(exc, _RETRYABLE)
 
 
+def stream_positions(start: int, skip: Iterable[int]) -> Iterator[int]:
+    """The prompt-stream positions from `start` on, less `skip`: what a resumed rollout child generates, in order."""
+    skipped = frozenset(skip)
+    position = start
+    while True:
+        if position not in skipped:
+            yield position
+        position += 1
+
+
 class FleetRolloutLoop(_TRL_LOOP):
     """TRL's rollout loop whose session sends the run key, whose completions wait for the fleet, whose task code
-    runs guarded and whose episodes keep their adapter version (in the child)."""
+    runs guarded, whose episodes keep their adapter version and whose groups are prompt-stream positions (in the
+    child)."""
 
     def __init__(self, *, run_key: str = "", fleet_wait_s: float = 600.0, task_timeout_s: float = 60.0,
-                 pin_episodes: bool = True, max_staleness: int = 4, **loop_kwargs: Any) -> None:
+                 pin_episodes: bool = True, max_staleness: int = 4, resume_start: int = 0,
+                 resume_skip: Iterable[int] = (), **loop_kwargs: Any) -> None:
+        self._resume_start = resume_start
+        self._resume_skip = tuple(resume_skip)
         self._run_key = run_key  # before TRL's __init__, which assigns self.session
         self._fleet_wait_s = fleet_wait_s
         self._task_timeout_s = task_timeout_s
@@ -83,6 +101,18 @@ class FleetRolloutLoop(_TRL_LOOP):
                     guard_environment(instance, task_timeout_s, self._faults)
             self.environment_factories = {name: _GuardedFactory(factory, task_timeout_s, self._faults)
                                           for name, factory in self.environment_factories.items()}
+
+    def _repeat_iterator(self) -> Iterator[tuple[int, Any]]:
+        """TRL's walk over the dataset in row order, each group named by its stream position (epoch × rows + row),
+        from `resume_start` on, less `resume_skip`. A dataset without a length (streaming) keeps TRL's walk."""
+        if not hasattr(self.dataset, "__len__"):
+            yield from super()._repeat_iterator()
+            return
+        rows = len(self.dataset)
+        for position in stream_positions(self._resume_start, self._resume_skip):
+            row = self.dataset[position % rows]
+            for _ in range(self.num_generations):
+                yield position, row
 
     @property
     def _request_model(self) -> str:
@@ -189,7 +219,7 @@ def check_rollout_hooks() -> None:
         )
 
 
-def wire_rollouts(trainer: Any, run_key: str, settings: Settings) -> None:
+def wire_rollouts(trainer: Any, run_key: str, settings: TrainerSettings) -> None:
     """Make the rollout child that `trainer` spawns at train begin send `run_key` ("" = none), wait up to
     TRAINER_FLEET_WAIT_S for the fleet, guard the task's code and pin episodes as `settings` say. Call it after the
     trainer is built and before `trainer.train()` (TRL starts the worker in on_train_begin)."""

@@ -27,12 +27,13 @@ from multiprocessing.context import SpawnContext, SpawnProcess
 from pathlib import Path
 from typing import Any
 
+from lorafleet.adapters import run_dir
 from lorafleet.logs import log_event
-from lorafleet.settings import Settings
+from lorafleet.settings import TrainerSettings
 from transformers import TrainerCallback
 
 from lorafleet_trainer.ranks import die_with_parent
-from lorafleet_trainer.run_state import prune_checkpoints
+from lorafleet_trainer.run_state import checkpoint_complete, prune_checkpoints
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -68,12 +69,13 @@ class Limits:
     keep_checkpoints: int = 0  # newest checkpoints kept after each save; 0 = all
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Limits:
+    def from_settings(cls, settings: TrainerSettings) -> Limits:
         return cls(
             max_wall_s=settings.run_max_wall_s,
             max_steps=settings.run_max_steps,
             min_free_bytes=int(settings.trainer_min_free_gb * GB),
-            volume=settings.adapter_root,
+            # The run's own folder: in the stack it is the trainer's only writable mount of the store.
+            volume=run_dir(settings.adapter_root, settings.run_name),
             keep_checkpoints=settings.checkpoint_keep,
         )
 
@@ -232,7 +234,7 @@ def stop_agreement(accelerator: Any) -> Callable[[bool], bool]:
 def checkpoint_now(trainer: Any, lifecycle: RunLifecycle) -> Path:
     """The checkpoint of the step reached, written unless that step already has a complete one."""
     path = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
-    if not (path / "trainer_state.json").is_file():
-        trainer._save_checkpoint(trainer.model, trial=None)  # TRL's override adds rollout_state.json
+    if not checkpoint_complete(path):
+        trainer._save_checkpoint(trainer.model, trial=None)  # with TRL's rollout_state.json and resume.py's marker
         prune_checkpoints(path.parent, lifecycle.limits.keep_checkpoints)
     return path

@@ -1,11 +1,12 @@
 """`lorafleet-train`: TRL's AsyncGRPOTrainer with a LoRA adapter, synced adapter-only to the fleet.
 
-Settings come from the environment (and .env) like every lorafleet service; each trainer setting
-also has a flag (`--learning-rate 1e-4` = LEARNING_RATE=1e-4, flags win). The task's defaults
-fill only what nobody set. Order of work: settings -> the task, built and checked (tasks/) -> fleet size ->
+Settings (TrainerSettings: the common and trainer sections) come from the environment (and .env) like every lorafleet
+service's; each trainer setting also has a flag (`--learning-rate 1e-4` = LEARNING_RATE=1e-4, flags win). The task's
+defaults fill only what nobody set. Order of work: settings -> the task, built and checked (tasks/) -> fleet size ->
 configs (printed) -> preflight (refuse what cannot serve adapter-only sync, or too little free disk) -> sweep
 stale policy names ->
-train (resuming from the newest checkpoint) -> export <run>/final-adapter. A signal, RUN_MAX_STEPS,
+train (resuming from the newest complete checkpoint: weights, optimizer, RNG, the prompt stream's position and the
+adapter numbering, resume.py) -> export <run>/final-adapter. A signal, RUN_MAX_STEPS,
 RUN_MAX_WALL_S or low disk ends training early with a checkpoint and exit 0 (lifecycle.py).
 With several ranks (TRAINER_GPUS, TRAINER_RANKS) this process launches them and each runs the above;
 rank 0 alone talks to the fleet (ranks.py).
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafleet.logs import configure, log_event
-from lorafleet.settings import ConfigError, Settings, env_name, load_settings
+from lorafleet.settings import ConfigError, TrainerSettings, env_name, load_settings
 from lorafleet.vllm_api import VLLMError
 
 from lorafleet_trainer.ranks import (
@@ -37,12 +38,12 @@ from lorafleet_trainer.ranks import (
     plan_for,
     select_gpus,
 )
-from lorafleet_trainer.run_key import read_run_key
+from lorafleet_trainer.run_key_file import read_run_key
 from lorafleet_trainer.tasks.loader import read_task_settings
 
 if TYPE_CHECKING:
     from lorafleet_trainer.config import TrainerConfigs
-    from lorafleet_trainer.fast_step import StepOptions
+    from lorafleet_trainer.fast_step.options import StepOptions
     from lorafleet_trainer.lifecycle import RunLifecycle
     from lorafleet_trainer.tasks.spec import Task
 
@@ -66,7 +67,7 @@ EXIT_PREFLIGHT = 3
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lorafleet-train", description=__doc__.split("\n\n")[0])
     for name in FLAG_FIELDS:
-        description = Settings.model_fields[name].description or ""
+        description = TrainerSettings.model_fields[name].description or ""
         flag = "--" + name.removeprefix("trainer_").replace("_", "-")
         parser.add_argument(flag, dest=name, metavar=env_name(name), help=description)
     parser.add_argument(
@@ -75,17 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_settings(overrides: dict[str, Any]) -> Settings:
-    """Settings from env + flags, then the task's defaults for whatever nobody set."""
-    settings = load_settings(**overrides)
+def resolve_settings(overrides: dict[str, Any]) -> TrainerSettings:
+    """The trainer's settings from env + flags, then the task's defaults for whatever nobody set."""
+    settings = load_settings(TrainerSettings, **overrides)
     task, _ = read_task_settings(settings.trainer_task)
     unset = {key: value for key, value in task.defaults.items() if key not in settings.model_fields_set}
     if unset:
-        settings = load_settings(**overrides, **unset)
+        settings = load_settings(TrainerSettings, **overrides, **unset)
     return settings
 
 
-def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: bool = False, *, run_key: str) -> int:
+def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_run: bool = False, *,
+          run_key: str) -> int:
     """Build and run the trainer as rank `context.rank` of `plan`; returns the process exit code.
 
     `run_key` (read_run_key: TRAINER_RUN_KEY_FILE's content, "" = none) goes on every call to the fleet.
@@ -98,6 +100,7 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
     from lorafleet_trainer.fleet_rollouts import check_rollout_hooks, wire_rollouts
     from lorafleet_trainer.lifecycle import Limits, RunLifecycle, shield_rollout_worker
     from lorafleet_trainer.resilience import retry_control_calls
+    from lorafleet_trainer.resume import PromptTracker
     from lorafleet_trainer.run_state import MetricsJsonl, check_resumable, newest_checkpoint
     from lorafleet_trainer.tasks.checks import prepare_task
 
@@ -151,9 +154,10 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
     if dry_run:
         return 0
     lifecycle.install_signal_handlers()
+    swept: list[str] = []
     try:
         if main_rank:
-            asyncio.run(prepare_fleet(settings, configs.lora, run_key=run_key))
+            swept = asyncio.run(prepare_fleet(settings, configs.lora, run_key=run_key))
     except (PreflightError, VLLMError) as exc:
         log_event(log, "refused", logging.ERROR, reason=str(exc))
         return EXIT_PREFLIGHT
@@ -167,16 +171,18 @@ def train(settings: Settings, plan: RankPlan, context: RankContext, dry_run: boo
 
     metrics = MetricsJsonl(settings.metrics_path)
     evaluation = eval_callbacks(task, settings, run_key, main_rank, metrics.append)  # first: joins the step's log
-    trainer = build_trainer(settings, configs, [*evaluation, metrics, lifecycle, *exporter_callbacks(settings)],
-                            task=task)
+    prompts = PromptTracker(settings.run_dir, checkpoint, fleet_names=swept)  # before TRL's own callbacks
+    trainer = build_trainer(settings, configs,
+                            [*evaluation, metrics, lifecycle, prompts, *exporter_callbacks(settings)], task=task)
     for callback in evaluation:
         callback.bind(trainer)
+    prompts.bind(trainer)
     shield_rollout_worker(trainer, lifecycle)
     wire_rollouts(trainer, run_key, settings)  # before train(): TRL spawns the child then
     return run_until_stopped(trainer, lifecycle, checkpoint.path if checkpoint else None)
 
 
-def install_kernels(settings: Settings, backend: str, *, cuda: bool) -> None:
+def install_kernels(settings: TrainerSettings, backend: str, *, cuda: bool) -> None:
     """CPU support (no CUDA peak-FLOPs query, bounded threads) where there is no GPU, then the attention kernel."""
     from lorafleet_trainer.attention import install
     from lorafleet_trainer.cpu import install_cpu_support
@@ -186,11 +192,11 @@ def install_kernels(settings: Settings, backend: str, *, cuda: bool) -> None:
     install(backend)
 
 
-def build_trainer(settings: Settings, configs: TrainerConfigs, callbacks: list[Any],
+def build_trainer(settings: TrainerSettings, configs: TrainerConfigs, callbacks: list[Any],
                   step: StepOptions | None = None, task: Task | None = None) -> Any:
     """TRL's AsyncGRPOTrainer as lorafleet-train runs it: the task's data, rewards and tools (`task`, else
     TRAINER_TASK's, prepared here), LoRA, a bounded score queue,
-    and the fast step (fast_step.py) where TRAINER_FAST_STEP resolves to it (`step` overrides, for the benchmark).
+    and the fast step (fast_step/) where TRAINER_FAST_STEP resolves to it (`step` overrides, for the benchmark).
 
     Shared with the trainer benchmark (bench/trainer_bench.py), which times this very object.
     """
@@ -198,7 +204,9 @@ def build_trainer(settings: Settings, configs: TrainerConfigs, callbacks: list[A
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     from lorafleet_trainer.config import score_queue_groups
-    from lorafleet_trainer.fast_step import apply_liger, install_indexed_head, step_options
+    from lorafleet_trainer.fast_step.kernels import apply_liger
+    from lorafleet_trainer.fast_step.loss import install_indexed_head
+    from lorafleet_trainer.fast_step.options import step_options
     from lorafleet_trainer.fused_lora import fuse_lora_layers
     from lorafleet_trainer.lora_precision import autocast_adapter_inputs
 

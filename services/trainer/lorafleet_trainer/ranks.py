@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lorafleet.logs import log_event
-from lorafleet.processes import free_port
-from lorafleet.settings import ConfigError, Settings
+from lorafleet.ports import free_port
+from lorafleet.settings import ConfigError, TrainerSettings
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def choose_sharding(requested: str, device: Device, world_size: int) -> Sharding
     return requested  # type: ignore[return-value]
 
 
-def plan_ranks(settings: Settings, cuda_devices: int) -> RankPlan:
+def plan_ranks(settings: TrainerSettings, cuda_devices: int) -> RankPlan:
     """The rank layout for `settings` on a machine where torch sees `cuda_devices` GPUs (0 = CPU mode).
 
     GPUs: one rank per TRAINER_GPUS entry, each visible to the trainer. CPU: TRAINER_RANKS ranks (0 = 1).
@@ -115,7 +115,7 @@ def plan_ranks(settings: Settings, cuda_devices: int) -> RankPlan:
     return RankPlan(world, device, choose_sharding(settings.trainer_sharding, device, world))
 
 
-def plan_for(settings: Settings, context: RankContext, cuda_devices: int) -> RankPlan:
+def plan_for(settings: TrainerSettings, context: RankContext, cuda_devices: int) -> RankPlan:
     """The plan this process is part of: its launcher's (WORLD_SIZE given) or the one `settings` ask for."""
     if not context.launched:
         return plan_ranks(settings, cuda_devices)
@@ -124,7 +124,7 @@ def plan_for(settings: Settings, context: RankContext, cuda_devices: int) -> Ran
                     choose_sharding(settings.trainer_sharding, device, context.world_size))
 
 
-def select_gpus(settings: Settings, environ: MutableMapping[str, str]) -> None:
+def select_gpus(settings: TrainerSettings, environ: MutableMapping[str, str]) -> None:
     """Make TRAINER_GPUS the GPUs CUDA shows, unless CUDA_VISIBLE_DEVICES already picks them.
 
     Compose sets CUDA_VISIBLE_DEVICES=TRAINER_GPUS itself; a bare `lorafleet-train` on a GPU box gets the same

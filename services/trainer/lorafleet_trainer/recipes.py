@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.settings import ConfigError
-from lorafleet.tiny import WORDS
+from lorafleet.tiny_vocabulary import WORDS
 
 MATH_DATASET = "sail/Sanity-Test-R1D-1.5B"
 MATH_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."

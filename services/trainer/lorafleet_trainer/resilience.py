@@ -22,7 +22,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from lorafleet_trainer.run_key import bearer
+from lorafleet_trainer.run_key_file import bearer
 
 # Connection attempts with a 0.5 s doubling backoff, capped at RETRY_MAX_S: back on the fleet within seconds of its
 # return. CONNECT_RETRIES (the default without a fleet wait) rides out ~30 s; retries_for(wait) about `wait`.

@@ -23,11 +23,18 @@ FINAL_ADAPTER = "final-adapter"
 FSDP_MODEL_DIR = "pytorch_model_fsdp"  # accelerate's FSDP_MODEL_NAME: the prefix of a sharded model state's folder
 
 
+ROLLOUT_STATE = "rollout_state.json"  # TRL's file; lorafleet adds the consumed prompts (resume.py)
+TRAINER_STATE = "trainer_state.json"  # transformers writes it last
+WRITING_MARKER = ".lorafleet-writing"  # created before a checkpoint's first file, removed after its last
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     path: Path
     step: int
     model_version: int | None  # TRL's rollout_state.json; None = numbering restarts at v1
+    prompt_index: int = 0  # the first prompt-stream position not consumed (resume.py); TRL's reader resumes here
+    consumed_above: tuple[int, ...] = ()  # consumed positions past prompt_index (written by lorafleet only)
 
     @property
     def sharded(self) -> bool:
@@ -53,23 +60,47 @@ def check_resumable(checkpoint: Checkpoint, fsdp2: bool) -> None:
         )
 
 
+def checkpoint_complete(path: Path) -> bool:
+    """Written to the end: no marker of a save a kill cut short, and a trainer_state.json that parses.
+
+    transformers writes checkpoint-N in place (no temporary folder and rename), trainer_state.json last; lorafleet's
+    save (resume.py) adds a marker before the first file and removes it after the last. Checkpoints written before
+    the marker existed count as complete when their trainer_state.json parses.
+    """
+    if (path / WRITING_MARKER).exists():
+        return False
+    try:
+        json.loads((path / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def newest_checkpoint(run_dir: Path) -> Checkpoint | None:
-    """The highest-step complete checkpoint (one whose trainer_state.json was written) in `run_dir`."""
+    """The highest-step complete checkpoint in `run_dir`; newer incomplete ones are logged and passed over."""
     if not run_dir.is_dir():
         return None
-    found = []
-    for entry in run_dir.iterdir():
-        match = CHECKPOINT_PATTERN.match(entry.name)
-        if match and entry.is_dir() and (entry / "trainer_state.json").is_file():
-            found.append((int(match.group(1)), entry))
-    if not found:
-        return None
-    step, path = max(found)
-    state_file = path / "rollout_state.json"
-    version = None
-    if state_file.is_file():
-        version = json.loads(state_file.read_text()).get("model_version")
-    return Checkpoint(path=path, step=step, model_version=version)
+    found = sorted(
+        ((int(match.group(1)), entry) for entry in run_dir.iterdir()
+         if (match := CHECKPOINT_PATTERN.match(entry.name)) and entry.is_dir()),
+        reverse=True,
+    )
+    for step, path in found:
+        if checkpoint_complete(path):
+            return _read_checkpoint(path, step)
+        log_event(log, "checkpoint_incomplete", logging.WARNING, checkpoint=path,
+                  action="passed over (a save cut short): the newest complete one, if any, is resumed from")
+    return None
+
+
+def _read_checkpoint(path: Path, step: int) -> Checkpoint:
+    state_file = path / ROLLOUT_STATE
+    if not state_file.is_file():
+        return Checkpoint(path=path, step=step, model_version=None)
+    state = json.loads(state_file.read_text())
+    return Checkpoint(path=path, step=step, model_version=state.get("model_version"),
+                      prompt_index=int(state.get("prompt_index", 0)),
+                      consumed_above=tuple(int(position) for position in state.get("consumed_above", ())))
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
@@ -85,7 +116,7 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
         (int(match.group(1)), entry) for entry in run_dir.iterdir()
         if (match := CHECKPOINT_PATTERN.match(entry.name)) and entry.is_dir()
     )
-    complete = [step for step, entry in found if (entry / "trainer_state.json").is_file()]
+    complete = [step for step, entry in found if checkpoint_complete(entry)]
     kept = set(complete[-keep:])
     newest = max(complete, default=-1)
     doomed = [entry for step, entry in found if step not in kept and step < newest]

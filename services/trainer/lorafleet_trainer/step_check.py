@@ -1,7 +1,7 @@
 """Does the fast step compute TRL's loss? Loss, LoRA gradients and metrics of both paths on one fixed micro-batch.
 
 `compare_paths` runs TRL 1.16's own `AsyncGRPOTrainer.compute_loss` + backward on a model, then the same model
-through the fast step's levers (fast_step.py: the host-compacted batch, the sync-free loss and the indexed
+through the fast step's levers (fast_step/: the host-compacted batch, the sync-free loss and the indexed
 log-probability head; fused_lora.py; Liger's kernels on a GPU) on the same batch, and reports the differences.
 The plain path runs twice: the second run is the noise floor (GPU kernels that accumulate with atomics are not
 bitwise reproducible). tests/unit/trainer/test_fast_step.py runs it on CPU with a tiny Qwen2;
@@ -20,13 +20,8 @@ from typing import Any
 
 import torch
 
-from lorafleet_trainer.fast_step import (
-    StepTimer,
-    compact_batch,
-    flush_loss_metrics,
-    install_indexed_head,
-    sync_free_loss,
-)
+from lorafleet_trainer.fast_step.loss import compact_batch, flush_loss_metrics, install_indexed_head, sync_free_loss
+from lorafleet_trainer.fast_step.timing import StepTimer
 
 
 @dataclass(frozen=True)
@@ -212,7 +207,7 @@ def compare_paths(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, tem
         fuse_lora_layers(model)
         runs["+fused_lora"] = run_fast(model, batch, **run)
     if liger:
-        from lorafleet_trainer.fast_step import apply_liger_to_model
+        from lorafleet_trainer.fast_step.kernels import apply_liger_to_model
 
         apply_liger_to_model(base)
         runs["+liger"] = run_fast(model, batch, **run)

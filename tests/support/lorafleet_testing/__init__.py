@@ -2,6 +2,8 @@
 
 - `fakes`: fake vLLM replicas (real HTTP, vLLM 0.31's bodies) with fault injection, for the proxy's tests and
   the proxy benchmarks;
+- `fleet`: the process tiers' harness (real replicas, proxy and trainer as fixtures), the device its parameter:
+  tests/integration on CPU, tests/gpu on the host's GPUs;
 - `stack_plan`, `stack_driver`: what the Compose stack test (tests/stack) runs and how it drives the stack,
   also proven without an engine by tests/compose;
 - `compose_helpers`: the static compose/Dockerfile checks' parsers (tests/compose, tests/kubernetes);

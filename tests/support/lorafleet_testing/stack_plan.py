@@ -8,8 +8,8 @@ to the replicas' pool, which must hold one GPU per replica plus one for the scal
 need N + 2 GPUs, and the pool is never left at the default `0` (the trainer's GPU). The cpu profile keeps the
 default `VLLM_CPU_SETS=auto`, as a user's `.env` does: one core per replica, shared once every core has one.
 
-The env file is made the way a user makes it (README, "Running the stack"): `cp .env.example .env`, then the two
-keys set, plus what a test run must choose itself (its own project name and public port, the GPU layout, a
+The env file is made the way a user makes it (docs/guides/gpu-stack.md#the-env-file): `cp .env.example .env`, then
+the two keys set, plus what a test run must choose itself (its own project name and public port, the GPU layout, a
 training run that lasts until it is stopped).
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lorafleet.processes import free_port
+from lorafleet.ports import free_port
 
 Profile = Literal["gpu", "cpu"]
 

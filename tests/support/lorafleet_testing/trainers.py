@@ -1,8 +1,8 @@
-"""Waiting for a real `lorafleet-train` (a `lorafleet.processes.Service`) the integration tests started."""
+"""Waiting for a real `lorafleet-train` (a `lorafleet_ops.processes.Service`) the integration tests started."""
 
 from __future__ import annotations
 
-from lorafleet.processes import Service
+from lorafleet_ops.processes import Service
 
 
 def finish(trainer: Service, timeout_s: float) -> tuple[int, str]:

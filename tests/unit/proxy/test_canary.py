@@ -7,18 +7,18 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from lorafleet.settings import Settings
-from lorafleet_proxy.canary import Answer, Canary, MalformedProbe, parse_answer
+from lorafleet.settings import StackSettings
+from lorafleet_proxy.canary import Canary, CanaryAnswer, MalformedProbe, parse_answer
 from lorafleet_proxy.metrics import Metrics
 
 KEY = ("trl-policy-v3", "sha256:abc")
-GOOD = Answer((7, 8, 9), (-0.5, -0.25, -0.125))
-OTHER_WEIGHTS = Answer((7, 8, 9), (-0.9, -0.25, -0.125))  # same tokens, a logprob far beyond the tolerance
-OTHER_TOKENS = Answer((7, 8, 10), (-0.5, -0.25, -0.125))
+GOOD = CanaryAnswer((7, 8, 9), (-0.5, -0.25, -0.125))
+OTHER_WEIGHTS = CanaryAnswer((7, 8, 9), (-0.9, -0.25, -0.125))  # same tokens, a logprob far beyond the tolerance
+OTHER_TOKENS = CanaryAnswer((7, 8, 10), (-0.5, -0.25, -0.125))
 
 
 def canary(tolerance: float = 0.02) -> Canary:
-    return Canary(Settings(_env_file=None, proxy_canary_logprob_tolerance=tolerance), Metrics())
+    return Canary(StackSettings(_env_file=None, proxy_canary_logprob_tolerance=tolerance), Metrics())
 
 
 def test_a_strict_majority_decides_and_becomes_the_reference() -> None:
@@ -34,19 +34,19 @@ def test_other_tokens_depart_whatever_the_logprobs() -> None:
 
 
 def test_batch_noise_within_the_tolerance_is_agreement() -> None:
-    noisy = Answer(GOOD.tokens, tuple(value + 0.019 for value in GOOD.logprobs))
+    noisy = CanaryAnswer(GOOD.tokens, tuple(value + 0.019 for value in GOOD.logprobs))
     assert canary().judge(KEY, {"a": GOOD, "b": noisy}).odd == []
     assert canary(tolerance=0.01).judge(KEY, {"a": GOOD, "b": noisy, "c": GOOD}).odd == ["b"]
 
 
 def test_answers_that_part_at_a_near_tie_agree_and_a_clear_lead_that_flips_departs() -> None:
-    tied = Answer((7, 8, 9), (-0.70, -0.25, -0.125), (0.5, 0.01, 0.5))  # 8 led its runner-up by 0.01
-    flipped = Answer((7, 11, 12), (-0.70, -0.26, -3.0), (0.5, 0.02, 0.9))  # noise chose the runner-up
+    tied = CanaryAnswer((7, 8, 9), (-0.70, -0.25, -0.125), (0.5, 0.01, 0.5))  # 8 led its runner-up by 0.01
+    flipped = CanaryAnswer((7, 11, 12), (-0.70, -0.26, -3.0), (0.5, 0.02, 0.9))  # noise chose the runner-up
     assert tied.agrees(flipped, 0.02) and flipped.agrees(tied, 0.02)
     assert not tied.agrees(flipped, 0.004)  # a lead of 0.01 is beyond twice that tolerance: not a tie
-    clear = Answer((7, 8, 9), (-0.70, -0.25, -0.125), (0.5, 3.0, 0.5))
+    clear = CanaryAnswer((7, 8, 9), (-0.70, -0.25, -0.125), (0.5, 3.0, 0.5))
     assert not clear.agrees(flipped, 0.02)  # one side led by 3 nats: other weights, not noise
-    before = Answer((7, 8, 9), (-0.9, -0.25, -0.125), (0.5, 0.01, 0.5))
+    before = CanaryAnswer((7, 8, 9), (-0.9, -0.25, -0.125), (0.5, 0.01, 0.5))
     assert not before.agrees(flipped, 0.02)  # the tokens before the tie already departed by 0.2
 
 
@@ -86,7 +86,7 @@ def test_any_minority_departing_from_a_majority_is_exactly_the_odd_set(replicas:
 
 def test_a_probe_answer_is_read_from_vllms_completion_body() -> None:
     body = {"choices": [{"text": " a b", "token_ids": [5, 6], "logprobs": {"token_logprobs": [-1.5, -0.5]}}]}
-    assert parse_answer(body) == Answer((5, 6), (-1.5, -0.5))
+    assert parse_answer(body) == CanaryAnswer((5, 6), (-1.5, -0.5))
     body["choices"][0]["logprobs"]["top_logprobs"] = [{" a": -1.5, " b": -1.75}, {" b": -0.5}]
     assert parse_answer(body).margins == (0.25, float("inf"))  # a lone entry says nothing about a runner-up
     assert parse_answer({"choices": [{"text": " a", "logprobs": {"token_logprobs": [-1]}}]}).tokens == (" a",)

@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 
 import pytest
-from lorafleet.ledger_file import Entry, fingerprint
+from lorafleet.ledger_format import Entry, fingerprint
 from lorafleet_proxy import main as proxy_main
 from lorafleet_proxy.ledger import Ledger, LedgerWriteError, ledger_path
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lorafleet.ledger_file import Entry
+from lorafleet.ledger_format import Entry
 from lorafleet.settings import load_settings
 from lorafleet.vllm_api import error_body
 from lorafleet_proxy import broadcast
@@ -20,6 +20,10 @@ from lorafleet_proxy.router import Router
 
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 R1, R2, R3 = "http://r1:8000", "http://r2:8000", "http://r3:8000"
+# What a lorafleet-replica's /openapi.json lists of the routes the fleet uses (vLLM 0.31, dev mode on): path -> method.
+ROUTES = {"/health": "get", "/version": "get", "/server_info": "get", "/v1/models": "get", "/v1/completions": "post",
+          "/v1/load_lora_adapter": "post", "/v1/unload_lora_adapter": "post", "/pause": "post", "/resume": "post",
+          "/is_paused": "get", "/reset_prefix_cache": "post"}
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Engine:
     on_call: Callable[[str], None] | None = None
     gated: set[str] = field(default_factory=set)  # paths that wait for `gate` (a slow answer)
     gate: asyncio.Event = field(default_factory=asyncio.Event)
+    routes: dict[str, str] = field(default_factory=lambda: dict(ROUTES))  # what its /openapi.json lists
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -54,6 +59,11 @@ class Engine:
             return httpx.Response(self.fail[path], json=error_body(ENGINE_DEAD, "InternalServerError", self.fail[path]))
         if path == "/health":
             return httpx.Response(200)
+        if path == "/version":
+            return httpx.Response(200, json={"version": "0.31.0"})
+        if path == "/openapi.json":
+            return httpx.Response(200, json={"openapi": "3.1.0", "paths": {
+                route: {method: {}} for route, method in self.routes.items()}})
         if path == "/server_info":
             return httpx.Response(200, json={"vllm_config": {"cache_config": {"block_size": 128},
                                                              "model_config": {"model": "base"}}})
@@ -154,6 +164,26 @@ async def test_a_replica_syncs_the_ledger_in_order_before_it_is_ready(fleet: Fle
     assert engines[R1].loads == ["trl-policy-v1"] * 3 + ["trl-policy-v2"]
     assert engines[R1].adapters == replica.adapters == fleet.ledger.paths(), "stale adapters must be unloaded"
     assert fleet.router.block_size == 128, "the routing block size follows the replicas' KV block size"
+
+
+async def test_a_replica_without_the_dev_routes_is_refused_then_admitted_once_it_has_them(
+    fleet: Fleet, engines: dict[str, Engine], tmp_path: Path
+) -> None:
+    put(fleet.ledger, "trl-policy-v1", str(tmp_path / "v1"))
+    for route in ("/pause", "/resume", "/is_paused", "/reset_prefix_cache", "/server_info"):
+        del engines[R1].routes[route]  # vLLM mounts them only with VLLM_SERVER_DEV_MODE=1
+    await check_and_sync(fleet, R1)
+    replica = fleet.replicas[R1]
+    assert replica.state is State.SYNCING and fleet.ready() == []
+    assert replica.last_error is not None and "refused: vLLM 0.31.0 lacks the dev routes" in replica.last_error
+    assert "VLLM_SERVER_DEV_MODE=1" in replica.last_error and "POST /pause" in replica.last_error
+    assert engines[R1].loads == [] and "/server_info" not in engines[R1].calls, "a refused replica is left alone"
+    assert fleet.replicas[R1].as_json()["vllm_version"] is None
+    engines[R1].routes = dict(ROUTES)  # restarted with the setting: the next try after the backoff admits it
+    replica.next_sync_at = 0.0
+    await check_and_sync(fleet, R1)
+    assert replica.state is State.READY and replica.last_error is None and engines[R1].loads == ["trl-policy-v1"]
+    assert replica.as_json()["vllm_version"] == "0.31.0"
 
 
 async def test_failed_health_checks_eject_and_forget_then_the_replica_resyncs(
@@ -282,7 +312,7 @@ async def test_2_a_failed_ledger_write_fails_the_load_and_rolls_it_back(
     def read_only(*_: object, **__: object) -> None:
         raise OSError(30, "Read-only file system")
 
-    monkeypatch.setattr("lorafleet.ledger_file.write", read_only)
+    monkeypatch.setattr("lorafleet.ledger_format.write", read_only)
     monkeypatch.setattr("lorafleet_proxy.ledger.write", read_only)
     response = await broadcast.load_adapter(fleet, {"lora_name": "trl-policy-v1", "lora_path": str(tmp_path / "v1")})
     assert response.status_code == 500

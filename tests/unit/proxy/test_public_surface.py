@@ -12,14 +12,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lorafleet.settings import Settings
+from lorafleet.settings import StackSettings
 from lorafleet_proxy.app import create_app
 
 SNAPSHOT = Path(__file__).with_name("surface.json")
 
 
 def surface(tmp: Path) -> dict[str, Any]:
-    settings = Settings(adapter_root=tmp, proxy_upstreams="http://127.0.0.1:9")
+    settings = StackSettings(adapter_root=tmp, proxy_upstreams="http://127.0.0.1:9")
     app = create_app(settings)
     metrics = {family.name: {"type": family.type, "documentation": family.documentation,
                              "labels": sorted({key for sample in family.samples for key in sample.labels})}

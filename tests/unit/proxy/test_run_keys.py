@@ -1,4 +1,4 @@
-"""Per-run keys (runs/keys.py, lorafleet.run_keys): the check of one request, and the directory of digests.
+"""Per-run keys (runs/key_check.py, lorafleet.run_key_store): the check of one request, and the directory of digests.
 
 The check is a pure function of the request's Authorization header and the stored digests, so hypothesis drives it
 with any header at all: only the run's own key is admitted; anything else is 401, another run's key 403.
@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lorafleet.run_keys import RunKeyError, digest, provision, read_key_file, read_keys
+from lorafleet.run_key_store import RunKeyError, digest, provision, read_key_file, read_keys
 from lorafleet.settings import ConfigError
 from lorafleet_proxy.auth import PUBLIC_PORT_SCOPE_KEY
-from lorafleet_proxy.runs import RunKeyRefused, RunKeys
-from lorafleet_proxy.runs import keys as keys_module
+from lorafleet_proxy.runs import RunKeyRefused, RunKeys, key_check
 
 
 def scope(authorization: bytes | None, public: bool = False) -> dict[str, object]:
@@ -66,7 +65,7 @@ def test_refusals_say_what_is_missing(keyed: tuple[RunKeys, dict[str, str]]) -> 
 
 
 def bearer_of(header: bytes | None) -> bytes | None:
-    """The key a header presents as the README describes it: `Bearer <key>`, the scheme in any case."""
+    """The key a header presents as docs/guides/runs.md#run-keys describes it: `Bearer <key>`, any case of scheme."""
     if header is None or header[:7].lower() != b"bearer ":
         return None
     return header[7:].strip() or None
@@ -104,7 +103,7 @@ def test_a_key_made_later_is_taken_and_a_directory_turned_bad_keeps_the_last_goo
     directory = tmp_path / "keys"
     directory.mkdir()
     keys = RunKeys(str(directory))
-    monkeypatch.setattr(keys_module, "RELOAD_S", 0.0)
+    monkeypatch.setattr(key_check, "RELOAD_S", 0.0)
     new = provision(directory, "c")
     assert refusal(keys, "c", f"Bearer {new}".encode()) is None
     (directory / "junk").write_text("not a digest")

@@ -9,7 +9,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
-from lorafleet.processes import free_port
+from lorafleet.ports import free_port
 from lorafleet_proxy.server_protocol import CoalescingHttpToolsProtocol, CoalescingTransport
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lorafleet.processes import free_port
+from lorafleet.ports import free_port
 from lorafleet_proxy.upstream import (
     ConnectRefused,
     ConnectTimeout,

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from lorafleet.settings import ConfigError, Settings
+from lorafleet.settings import ConfigError, StackSettings
 from lorafleet_trainer.config import base_dtype, build_configs, score_queue_groups, use_bf16
 from lorafleet_trainer.main import FLAG_FIELDS, build_parser, main, resolve_settings
 from lorafleet_trainer.ranks import plan_ranks
 from lorafleet_trainer.tasks.builtin import tiny as tiny_task
 
-ALL_FIELDS = set(Settings.model_fields)
+ALL_FIELDS = set(StackSettings.model_fields)
 
 
 @pytest.fixture(autouse=True)

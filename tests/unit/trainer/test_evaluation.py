@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import pytest
 from datasets import Dataset
 from lorafleet.settings import load_settings
-from lorafleet.tiny import make_tiny_model
+from lorafleet_ops.tiny_model import make_tiny_model
 from lorafleet_trainer.evaluation import EvalCallback, Evaluator, eval_callbacks
 from lorafleet_trainer.recipes import load_tokenizer
 from lorafleet_trainer.tasks.spec import Task, TaskSettings

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import httpx
 from lorafleet.adapters import lora_dir
-from lorafleet.processes import free_port
+from lorafleet.ports import free_port
 from lorafleet.settings import load_settings
 from lorafleet_trainer.exporter import PrometheusExporter, exporter_callbacks
 from prometheus_client.parser import text_string_to_metric_families

@@ -14,17 +14,9 @@ from collections import defaultdict
 import pytest
 import torch
 from lorafleet_trainer.attention import install
-from lorafleet_trainer.fast_step import (
-    FAST,
-    FAST_KEY,
-    PLAIN,
-    MicroBatchStream,
-    StepVersions,
-    _nanmax,
-    _nanmin,
-    compact_batch,
-    step_options,
-)
+from lorafleet_trainer.fast_step.loss import FAST_KEY, _nanmax, _nanmin, compact_batch
+from lorafleet_trainer.fast_step.options import FAST, PLAIN, step_options
+from lorafleet_trainer.fast_step.prefetch import MicroBatchStream, StepVersions
 from lorafleet_trainer.fused_lora import FusedLoRALinear, fuse_lora_layers, unfuse_lora_layers
 from lorafleet_trainer.step_check import CheckBatch, build_batch, compare_paths, run_fast, run_plain
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -76,7 +68,7 @@ def test_fast_loss_equals_trl_loss_gradients_and_metrics_on_cpu():
 
 def test_the_sync_free_loss_alone_is_trl_loss():
     """Without the fused LoRA layers: only the compaction, the indexed head and the loss change."""
-    from lorafleet_trainer.fast_step import install_indexed_head
+    from lorafleet_trainer.fast_step.loss import install_indexed_head
 
     batch = build_batch(SPEC)
     model = tiny_trl_model(seed=3)
@@ -315,7 +307,7 @@ def test_packing_process_packs_what_trl_packs_in_process():
     import queue as queues
 
     from accelerate import PartialState
-    from lorafleet_trainer.fast_step import PackingProcess
+    from lorafleet_trainer.fast_step.packing_process import PackingProcess
     from trl.experimental.async_grpo.async_grpo_trainer import (
         DataCollatorForRollout,
         RolloutQueueDataset,
@@ -370,7 +362,7 @@ def test_packing_process_packs_what_trl_packs_in_process():
 def test_packing_process_errors_reach_the_training_loop():
     import multiprocessing
 
-    from lorafleet_trainer.fast_step import PackingProcess
+    from lorafleet_trainer.fast_step.packing_process import PackingProcess
 
     ctx = multiprocessing.get_context("spawn")
     broken = ctx.Queue()

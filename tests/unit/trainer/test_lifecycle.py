@@ -77,8 +77,19 @@ def test_low_disk_refuses_with_figures_and_stops_with_a_checkpoint():
     assert _lifecycle(min_free=0, free=0).low_disk() is None  # 0 = guard off
 
 
-def test_free_bytes_measures_the_nearest_existing_parent(tmp_path):
-    assert lc.free_bytes(tmp_path / "not" / "yet") == lc.shutil.disk_usage(tmp_path).free > 0
+def test_free_bytes_measures_the_nearest_existing_parent(tmp_path, monkeypatch):
+    # The disk is shared with other work, so its free figure moves between two reads:
+    # record which path was measured instead of comparing two live readings.
+    measured = []
+    real_usage = lc.shutil.disk_usage
+
+    def usage(path):
+        measured.append(path)
+        return real_usage(path)
+
+    monkeypatch.setattr(lc.shutil, "disk_usage", usage)
+    assert lc.free_bytes(tmp_path / "not" / "yet") > 0
+    assert measured == [tmp_path]
 
 
 def test_first_signal_requests_a_checkpointed_stop_second_exits_at_once(monkeypatch):

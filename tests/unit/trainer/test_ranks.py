@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lorafleet.settings import ConfigError, Settings
+from lorafleet.settings import ConfigError, StackSettings
 from lorafleet_trainer.config import build_configs, sharding_args
 from lorafleet_trainer.main import resolve_settings
 from lorafleet_trainer.ranks import (
@@ -35,13 +35,13 @@ from lorafleet_trainer.ranks import (
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch, tmp_path):
-    for name in Settings.model_fields:
+    for name in StackSettings.model_fields:
         monkeypatch.delenv(name.upper(), raising=False)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ADAPTER_ROOT", str(tmp_path / "adapters"))
 
 
-def settings(**values: str) -> Settings:
+def settings(**values: str) -> StackSettings:
     return resolve_settings(values)
 
 
@@ -241,13 +241,12 @@ def test_the_ranks_do_not_see_a_signal_sent_to_the_launchers_process_group(tmp_p
 PARENT_PROGRAM = """
 import os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", '''
-import os, sys, time
-sys.path[:0] = {path!r}
+import os, time
 from lorafleet_trainer.ranks import die_with_parent
 die_with_parent(int(os.environ["{launcher}"]))
 open("{ready}", "w").close()
 time.sleep(60)
-'''], env={{**os.environ, "{launcher}": str(os.getpid())}})
+'''], env={{**os.environ, "{launcher}": str(os.getpid()), "PYTHONPATH": {path!r}}})
 print(child.pid, flush=True)
 time.sleep(60)
 """
@@ -256,7 +255,7 @@ time.sleep(60)
 def test_a_rank_dies_with_its_launcher(tmp_path):
     """SIGKILL the launcher: the kernel kills its rank too (PR_SET_PDEATHSIG), nothing is left training."""
     ready = tmp_path / "ready"
-    program = PARENT_PROGRAM.format(path=sys.path, launcher=LAUNCHER_PID, ready=ready)
+    program = PARENT_PROGRAM.format(path=os.pathsep.join(sys.path), launcher=LAUNCHER_PID, ready=ready)
     parent = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
     child = int(parent.stdout.readline())

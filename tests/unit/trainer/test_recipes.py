@@ -6,7 +6,7 @@ import json
 
 import pytest
 from lorafleet.settings import ConfigError, load_settings
-from lorafleet.tiny import make_tiny_model
+from lorafleet_ops.tiny_model import make_tiny_model
 from lorafleet_trainer.recipes import (
     MATH_SYSTEM_PROMPT,
     load_local_dataset,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import requests
-from lorafleet.processes import free_port
+from lorafleet.ports import free_port
 from lorafleet_trainer.resilience import retry_control_calls, retrying_session
 
 

@@ -76,7 +76,7 @@ def _peft_trainer(model_dir, seed):
 
 
 def test_final_adapter_is_exported_and_replaced_whole(tmp_path):
-    from lorafleet.tiny import make_tiny_model
+    from lorafleet_ops.tiny_model import make_tiny_model
     from safetensors.torch import load_file
 
     model_dir = make_tiny_model(tmp_path / "tiny")

@@ -16,9 +16,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from lorafleet.settings import load_settings
-from lorafleet.tiny import make_tiny_model
+from lorafleet_ops.tiny_model import make_tiny_model
 from lorafleet_trainer.episodes import Episode
 from lorafleet_trainer.tasks.guards import (
+    MAX_HUNG_CALLS,
     FaultLog,
     TaskTimeout,
     call_with_timeout,
@@ -26,6 +27,7 @@ from lorafleet_trainer.tasks.guards import (
     guard_environment,
     guard_reward,
     guard_tool,
+    hung_calls,
 )
 
 N = 3
@@ -285,3 +287,44 @@ def test_async_code_called_from_a_thread_runs_to_its_end_under_the_same_bound():
         call_with_timeout(hangs_async, 0.2)
     game = guard_environment(AsyncGame(), 1, FaultLog())
     assert game.reset() == "go" and game.get_reward() == 0.5
+
+
+def test_timed_out_calls_are_abandoned_cleanly_and_hung_threads_stay_bounded(monkeypatch):
+    """A long run of timed-out calls: no exception escapes any thread (a call ending after its caller's event loop
+    closed delivers nothing), hung async code is cancelled in its own loop, hung sync code keeps at most
+    MAX_HUNG_CALLS threads per function (later calls time out at once), and every thread ends once the code returns."""
+    escaped: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
+    gate = threading.Event()
+
+    def stuck(**_: Any) -> list[float]:
+        gate.wait()
+        return [1.0] * N
+
+    def slow(**_: Any) -> list[float]:
+        time.sleep(0.05)
+        return [1.0] * N
+
+    faults = FaultLog()
+    baseline = threading.active_count()
+    for _ in range(20):  # each in its own event loop, closed while the call still runs; it ends soon after
+        assert run(guard_reward(slow, "slow", 0.001, faults)(**KWARGS)) == [None] * N
+    for _ in range(200):
+        assert run(guard_reward(stuck, "stuck", 0.001, faults)(**KWARGS)) == [None] * N
+        assert threading.active_count() <= baseline + 2 * MAX_HUNG_CALLS
+    assert hung_calls(stuck.__qualname__) == MAX_HUNG_CALLS
+    for _ in range(100):
+        with pytest.raises(TaskTimeout):
+            call_with_timeout(hangs_async, 0.001)
+        with pytest.raises(TaskTimeout):
+            run(guard_tool(stuck, "stuck_tool", 0.001, faults)(key="red"))
+    assert counted(faults) == {"task/slow/timeout_total": 20, "task/stuck/timeout_total": 200,
+                               "task/stuck_tool/timeout_total": 100}
+    gate.set()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > baseline and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() <= baseline, [t.name for t in threading.enumerate()]
+    assert hung_calls(stuck.__qualname__) == hung_calls(hangs_async.__qualname__) == 0
+    assert run(guard_reward(stuck, "stuck", 1, faults)(**KWARGS)) == [1.0] * N  # called again once they returned
+    assert escaped == []

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 from lorafleet.settings import ConfigError, load_settings
-from lorafleet.tiny import make_tiny_model
+from lorafleet_ops.tiny_model import make_tiny_model
 from lorafleet_trainer.config import build_configs
 from lorafleet_trainer.main import resolve_settings
 from lorafleet_trainer.ranks import RankPlan
@@ -212,13 +212,13 @@ def test_a_task_that_cannot_be_found_is_named(task, message):
         read_task_settings(task)
 
 
-def test_the_readme_example_is_tasks_example_py_and_passes_every_check(tokenizer, tiny):
+def test_the_guides_example_is_tasks_example_py_and_passes_every_check(tokenizer, tiny):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[3]
     example = repo / "tasks" / "example.py"
-    readme = (repo / "README.md").read_text()
-    assert f"```python\n{example.read_text()}```" in readme  # the README shows the file as it is
+    guide = (repo / "docs" / "guides" / "tasks.md").read_text()
+    assert f"```python\n{example.read_text()}```" in guide  # docs/guides/tasks.md shows the file as it is
     task, _ = prepare_task(load_settings(trainer_task=str(example), base_model=str(tiny)), tokenizer)
     assert task.summary()["rewards"] == ["colour_share", "names_the_asked_colour"]
     assert len(task.eval_dataset) == 16 and task.settings.pass_threshold == 0.5

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from lorafleet.ledger_file import LedgerState, RunRecord
+from lorafleet.ledger_format import LedgerState, RunRecord
 from lorafleet.runs import BUDGET_ERROR, DEFAULT_RUN
-from lorafleet.settings import Settings
+from lorafleet.settings import ProxySettings
 
 from ..errors import error
 from ..metrics import Metrics
@@ -50,7 +50,7 @@ class SlotBook:
 class SlotBudget:
     """The slot arithmetic, once: capacity, reservations, what a run may hold, admission and its refusal."""
 
-    def __init__(self, settings: Settings, capacities: Callable[[], list[int]], metrics: Metrics) -> None:
+    def __init__(self, settings: ProxySettings, capacities: Callable[[], list[int]], metrics: Metrics) -> None:
         self.settings = settings
         self.capacities = capacities  # the --max-loras of every ready replica
         self.metrics = metrics

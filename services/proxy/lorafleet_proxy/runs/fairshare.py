@@ -1,32 +1,14 @@
 """Fair share of generation between runs: a virtual token counter (VTC) queue at the proxy, admitting per replica.
 
-vLLM schedules first come, first served, so a run with four times the requests in flight would get four times the
-tokens. While several runs share the fleet, the proxy lets at most a window of requests through to each ready
-replica and queues the rest per run. Each run has a counter of the tokens it was served divided by its weight; when
-a replica has room, the backlogged run with the lowest counter goes next (Sheng et al., "Fairness in Serving Large
-Language Models", OSDI '24). A request is charged its estimate at dispatch (prompt tokens + max_tokens) and
-corrected to its prompt plus the tokens it really generated when it completes, so short answers are not
-over-charged. A run that becomes backlogged is lifted to the lowest counter of the runs with work, so idle time is
-not banked into a burst that starves others. Nothing is refused: requests wait. A lone run never waits behind
-anyone, and with a single run (no named run registered) the front does not enter the scheduler at all.
-
-Per replica, because each engine batches on its own: a fleet-wide window that prefix affinity routes 5:3 queues
-a request in one engine while the other has a batch slot idle. So a request is placed when it is admitted:
-its candidates (the replicas that can serve it now, asked of the front at that moment) are narrowed to those
-with room, the front's router chooses among them, and the request holds a slot of that replica until it
-leaves (a retry moves it). The queue is work-conserving: no replica with room idles while a request it can
-serve waits; a run whose next request has no candidate with room does not hold up another run's that has one.
-A request with no candidate at all (no ready replica serves its model) is let through at once: the front
-answers why.
-
-The window of a replica is its batch (PROXY_FAIR_INFLIGHT_PER_REPLICA) plus a pipeline
-(PROXY_FAIR_PIPELINE_PER_REPLICA) that waits in its engine. An engine refills a batch slot the moment it frees only
-from its own queue; a request the proxy sends when it learns of the finished one arrives an answer's round trip
-later. Measured in `make bench-runs` (200 ms completions, batch 4): that trip held ~1.4 of the 8 batch slots, and a
-window of exactly the batch, fleet-wide or per replica, served 0.81x a lone run's requests/s; one request of
-pipeline per replica closes it. The pipeline is served first come, first served by the engine, but every request in
-it was chosen by the counters, so shares are unchanged; only how soon a newly backlogged run's turn reaches the
-batch moves, by at most the pipeline.
+While several runs share the fleet, each ready replica gets at most its window of requests (its batch,
+PROXY_FAIR_INFLIGHT_PER_REPLICA, plus a pipeline, PROXY_FAIR_PIPELINE_PER_REPLICA, that waits in its engine) and the
+rest queue per run. When a replica has room, the backlogged run with the lowest counter (tokens served / weight)
+goes next (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24): charged prompt + max_tokens at
+dispatch, corrected to the tokens really generated; a newly backlogged run is lifted to the lowest busy counter (no
+banked credit). A request is placed when admitted: its candidates are narrowed to the replicas with room and the
+front's router picks among them, so no replica with room idles while a request it can serve waits. A request with no
+candidate at all is let through at once (the front answers why); a lone run never waits, and a single-run fleet never
+enters the scheduler. Why per replica and why the pipeline: docs/concepts/runs.md ("Fair share").
 """
 
 from __future__ import annotations

@@ -16,20 +16,23 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi.responses import JSONResponse, Response
-from lorafleet.ledger_file import Entry, LedgerState, RunRecord
+from lorafleet.adapters import AdapterPathError
+from lorafleet.ledger_format import Entry, LedgerState, RunRecord
 from lorafleet.runs import DEFAULT_RUN, RUN_URL_PREFIX, qualify, run_of, run_slots
-from lorafleet.settings import Settings
+from lorafleet.settings import ProxySettings
 from starlette.types import Scope
 
 from ..auth import on_public_port
-from ..errors import ledger_failed
+from ..errors import error, ledger_failed
 from .budget import SlotBudget
+from .confinement import OutsideRunFolder, confine_load, load_folders
 from .fairshare import FairShare, Ticket, estimate_tokens, prompt_tokens
-from .keys import RunKeys
+from .key_check import RunKeys
 from .names import RUN_SCOPE_KEY, NameMap, own_name, run_of_scope, split_run_path
 
 if TYPE_CHECKING:
     from ..fleet import Fleet
+    from ..ledger import Ledger
     from ..metrics import Metrics
 
 log = logging.getLogger("lorafleet.proxy.runs")
@@ -76,16 +79,17 @@ class Turn:
 class Runs:
     """The runs sharing the fleet: registrations (in the ledger), live state, budget, pauses and leases."""
 
-    def __init__(self, settings: Settings, fleet: Fleet, metrics: Metrics, unload: Unload) -> None:
+    def __init__(self, settings: ProxySettings, fleet: Fleet, ledger: Ledger, metrics: Metrics, unload: Unload) -> None:
         self.settings = settings
         self.fleet = fleet
         self.unload = unload  # injected: a run's expiry unloads through the broadcasts, which know nothing of runs
-        self.ledger = fleet.ledger
+        self.ledger = ledger
         self.metrics = metrics
         self.keys = RunKeys(settings.run_keys_dir)
         self.live: dict[str, LiveRun] = {}
         self.slots = SlotBudget(settings, self._capacities, metrics)
-        # Per replica: its batch, plus a pipeline waiting in its engine (README "Several runs on one fleet").
+        # Per replica: its batch, plus a pipeline waiting in its engine
+        # (docs/concepts/runs.md#fair-share-a-virtual-token-counter-queued-at-the-proxy-admitted-per-replica).
         self.fair = FairShare(
             lambda: settings.proxy_fair_inflight_per_replica + settings.proxy_fair_pipeline_per_replica)
         self.foreign: frozenset[str] = frozenset()  # fleet-unique names of named runs' adapters
@@ -226,6 +230,20 @@ class Runs:
         return generated
 
     # --- admission -------------------------------------------------------------------------------
+    def confine_load(self, scope: Scope, path: str) -> str | JSONResponse:
+        """The resolved `lora_path` a load by the request's run may read (confinement.py): 400 outside the adapter
+        root, 403 outside the run's folder; either before anything changes."""
+        run = run_of_scope(scope)
+        folders = load_folders(run, self.settings.run_name, self.keys.keyed(), self.keys.owner(scope))
+        who = "the default run" if run == DEFAULT_RUN else f"run {run!r}"
+        try:
+            return str(confine_load(path, self.settings.adapter_root, folders, who))
+        except OutsideRunFolder as exc:
+            log.warning("load refused run=%s path=%r: outside the run's folder", run, path)
+            return error(403, str(exc), "Forbidden", "lora_path")
+        except AdapterPathError as exc:
+            return error(400, str(exc), "InvalidUserInput")
+
     def load_admission(self, run: str, qualified: str) -> Callable[[LedgerState], JSONResponse | None]:
         """What a load of `qualified` by `run` checks under the fleet lock: the run fits, and holds no more
         adapters than it reserved (broadcast.load_adapter calls it before touching any replica)."""

@@ -1,4 +1,4 @@
-"""Tasks: what the trainer trains on, in TRL's own types, from one Python file or module (README "Your own task").
+"""Tasks: what the trainer trains on, in TRL's own types, from one Python file or module (docs/guides/tasks.md).
 
 A task provides, as module-level names or from `build_task(tokenizer, settings)` returning a dict of them:
 `train_dataset` (a `prompt` column), `reward_funcs`, and optionally `tools`, `environment_factory` and

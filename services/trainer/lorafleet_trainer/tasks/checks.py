@@ -13,7 +13,7 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lorafleet.settings import ConfigError, Settings
+from lorafleet.settings import ConfigError, TrainerSettings
 from trl.trainer.utils import get_callable_name
 
 from lorafleet_trainer.tasks.guards import call_with_timeout, clean_score, clean_scores
@@ -23,7 +23,7 @@ from lorafleet_trainer.tasks.spec import Task, TaskError, TaskSettings, line_in,
 DUMMY_COMPLETION = "The answer is 42."
 TRL_REWARD_ARGUMENTS = ("completions", "prompts", "completion_ids")
 DRY_RUN_ROWS = 2
-TOOLS_HELP = "README 'Your own task', Tools"
+TOOLS_HELP = "docs/guides/tasks.md#tools-and-multi-turn-environments"
 
 
 class TaskProblems(ConfigError):
@@ -154,7 +154,7 @@ def check_reward_call(func: Any, kwargs: dict[str, Any], where: str, timeout_s: 
     return []
 
 
-def check_rewards(task: Task, tokenizer: Any, settings: Settings, rewarding_envs: list[str]) -> list[TaskError]:
+def check_rewards(task: Task, tokenizer: Any, settings: TrainerSettings, rewarding_envs: list[str]) -> list[TaskError]:
     where = task.where
     if not task.reward_funcs and not rewarding_envs:
         return [TaskError(where, "no reward: define `reward_funcs` (a list of functions) or give the environment a "
@@ -170,7 +170,8 @@ def check_rewards(task: Task, tokenizer: Any, settings: Settings, rewarding_envs
     return problems
 
 
-def check_environments(task: Task, settings: Settings) -> tuple[list[Callable[..., Any]], list[str], list[TaskError]]:
+def check_environments(task: Task, settings: TrainerSettings
+                       ) -> tuple[list[Callable[..., Any]], list[str], list[TaskError]]:
     """(tools the environments offer, environments with get_reward, problems); one episode of each is run."""
     tools: list[Callable[..., Any]] = []
     rewarding: list[str] = []
@@ -206,7 +207,8 @@ def check_environments(task: Task, settings: Settings) -> tuple[list[Callable[..
     return tools, rewarding, problems
 
 
-def check_template(task: Task, tokenizer: Any, tools: list[Callable[..., Any]], settings: Settings) -> list[TaskError]:
+def check_template(task: Task, tokenizer: Any, tools: list[Callable[..., Any]],
+                   settings: TrainerSettings) -> list[TaskError]:
     """The chat template must show the model every tool, and keep earlier turns unchanged (TRL's multi-turn loop)."""
     if not tools:
         return []
@@ -234,7 +236,7 @@ def check_template(task: Task, tokenizer: Any, tools: list[Callable[..., Any]], 
     return []
 
 
-def check_trl_args(task_settings: TaskSettings, settings: Settings) -> list[TaskError]:
+def check_trl_args(task_settings: TaskSettings, settings: TrainerSettings) -> list[TaskError]:
     """Fields of TRL 1.16's AsyncGRPOConfig, and none that lorafleet sets from its own settings."""
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
@@ -252,7 +254,7 @@ def check_trl_args(task_settings: TaskSettings, settings: Settings) -> list[Task
     return []
 
 
-def check_task(task: Task, tokenizer: Any, settings: Settings) -> list[TaskError]:
+def check_task(task: Task, tokenizer: Any, settings: TrainerSettings) -> list[TaskError]:
     """Every problem with `task`, in the order a user fixes them (data, environments, rewards, tools, template)."""
     problems = check_trl_args(task.settings, settings) + check_dataset(
         task.train_dataset, "train_dataset", task.where, prompt_required=task.environment_factory is None)
@@ -271,7 +273,7 @@ def check_task(task: Task, tokenizer: Any, settings: Settings) -> list[TaskError
     return problems
 
 
-def prepare_task(settings: Settings, tokenizer: Any = None) -> tuple[Task, Any]:
+def prepare_task(settings: TrainerSettings, tokenizer: Any = None) -> tuple[Task, Any]:
     """(the checked task, its tokenizer) for `settings`; TaskProblems lists everything wrong."""
     from lorafleet_trainer.recipes import load_tokenizer
 

@@ -2,16 +2,19 @@
 
 TRL 1.16 lets an exception in a reward function or an environment's `reset`/`get_reward` kill its rollout process
 (the trainer then fails), waits for a hung tool or reward for ever, and passes NaN or a list of the wrong length on.
-Here every call of the task's code runs in a daemon thread bounded by TASK_TIMEOUT_S (Python cannot stop a thread:
-a hung one is left behind, never waited for); a failed reward call scores its group None (TRL leaves None out of the
-advantage, so a broken reward pushes the policy nowhere), a failed tool call raises for TRL to answer the model
-with an error, a crashed environment serves no observation and no reward. Each fault is counted as
+Here every call of the task's code runs in a daemon thread bounded by TASK_TIMEOUT_S. Python cannot stop a thread:
+a timed-out call is abandoned (it never calls back into its caller's event loop, async code is cancelled in its own
+loop) and at most MAX_HUNG_CALLS of one function's are left running before it is not called again. A failed reward
+call scores its group None (TRL leaves None out of the advantage, so a broken reward pushes the policy nowhere), a
+failed tool call raises for TRL to answer the model with an error, a crashed environment serves no observation and
+no reward. Each fault is counted as
 `task/<function>/<kind>_total` in TRL's metrics (metrics.jsonl, Prometheus) and logged with the function's name.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
@@ -26,31 +29,110 @@ FAULT_KINDS = ("error", "timeout", "garbage")
 
 
 class TaskTimeout(TimeoutError):
-    """A call of the task's code outlived TASK_TIMEOUT_S."""
+    """A call of the task's code outlived TASK_TIMEOUT_S (or too many of its earlier calls still do)."""
 
 
-def _start(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-           done: Callable[[Any, BaseException | None], None]) -> None:
-    def run() -> None:
-        try:
-            value = fn(*args, **kwargs)
-        except BaseException as exc:  # handed to the caller, who decides
-            done(None, exc)
+# Abandoned calls of one function (by qualified name) still running in their threads; while this many are, the
+# function is not called again (the call times out at once) until one returns: hung code costs at most this many
+# threads each, however long the run.
+MAX_HUNG_CALLS = 8
+_hung_lock = threading.Lock()
+_hung: dict[str, int] = {}
+
+
+def hung_calls(name: str) -> int:
+    """Abandoned calls of the function `name` whose threads are still running."""
+    with _hung_lock:
+        return _hung.get(name, 0)
+
+
+def _count_hung(name: str, change: int) -> None:
+    with _hung_lock:
+        left = _hung.get(name, 0) + change
+        if left:
+            _hung[name] = left
         else:
-            done(value, None)
+            _hung.pop(name, None)
 
-    threading.Thread(target=run, daemon=True, name=f"task-{getattr(fn, '__name__', 'call')}").start()
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+class _Call:
+    """One call of the task's code in its own daemon thread. The caller may abandon it (a timeout, or the caller's
+    own end): from then on the thread delivers nothing (no event loop of the caller is touched, closed or not), async
+    code is cancelled in its own loop, and the call counts as hung until its thread ends."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 deliver: Callable[[Any, BaseException | None], None]) -> None:
+        self.name = _qualname(fn)
+        hung = hung_calls(self.name)
+        if hung >= MAX_HUNG_CALLS:
+            raise TaskTimeout(f"{self.name} not called: {hung} earlier calls are still running past TASK_TIMEOUT_S "
+                              f"(at most {MAX_HUNG_CALLS} are left running; it is called again once one returns)")
+        self._lock = threading.Lock()
+        self._deliver = deliver
+        self._finished = self._abandoned = False
+        self._cancel: Callable[[], None] | None = None
+        body = (lambda: self._run_async(fn, args, kwargs)) if is_async_callable(fn) else (lambda: fn(*args, **kwargs))
+        threading.Thread(target=self._run, args=(body,), daemon=True, name=f"task-{self.name}").start()
+
+    def _run(self, body: Callable[[], Any]) -> None:
+        value, error = None, None
+        try:
+            value = body()
+        except BaseException as exc:  # handed to the caller, who decides
+            error = exc
+        with self._lock:
+            self._finished = True
+            if not self._abandoned:
+                self._deliver(value, error)
+                return
+        _count_hung(self.name, -1)
+
+    def _run_async(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        async def main() -> Any:
+            task, loop = asyncio.current_task(), asyncio.get_running_loop()
+            assert task is not None
+            self._on_abandon(lambda: loop.call_soon_threadsafe(task.cancel))
+            return await fn(*args, **kwargs)
+
+        return asyncio.run(main())
+
+    def _on_abandon(self, cancel: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._abandoned:
+                self._cancel = cancel
+                return
+        cancel()
+
+    def abandon(self) -> bool:
+        """Give the call up; False when it had finished already (its outcome was delivered)."""
+        with self._lock:
+            if self._finished or self._abandoned:
+                return False
+            self._abandoned = True
+            _count_hung(self.name, 1)  # under the call's lock: the thread's release comes after
+            cancel = self._cancel
+        if cancel is not None:
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile: the coroutine ended
+                cancel()
+        return True
+
+
+def _late(fn: Callable[..., Any], timeout_s: float) -> TaskTimeout:
+    return TaskTimeout(f"{getattr(fn, '__name__', fn)} did not return within TASK_TIMEOUT_S={timeout_s:g}s")
 
 
 def call_with_timeout(fn: Callable[..., Any], timeout_s: float, /, *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` in a daemon thread (an async `fn` run to its end there); TaskTimeout when it takes
-    longer than `timeout_s`."""
+    """`fn(*args, **kwargs)` in a daemon thread (an async `fn` run to its end there, in its own loop); TaskTimeout
+    when it takes longer than `timeout_s` (the call is abandoned: async code is cancelled)."""
     finished = threading.Event()
     outcome: list[Any] = []
-    call = (lambda *a, **k: asyncio.run(fn(*a, **k))) if is_async_callable(fn) else fn
-    _start(call, args, kwargs, lambda value, exc: (outcome.extend((value, exc)), finished.set()))
-    if not finished.wait(timeout_s):
-        raise TaskTimeout(f"{getattr(fn, '__name__', fn)} did not return within TASK_TIMEOUT_S={timeout_s:g}s")
+    call = _Call(fn, args, kwargs, lambda value, exc: (outcome.extend((value, exc)), finished.set()))
+    if not finished.wait(timeout_s) and call.abandon():
+        raise _late(fn, timeout_s)
     value, exc = outcome
     if exc is not None:
         raise exc
@@ -58,28 +140,32 @@ def call_with_timeout(fn: Callable[..., Any], timeout_s: float, /, *args: Any, *
 
 
 async def await_with_timeout(fn: Callable[..., Any], timeout_s: float, /, **kwargs: Any) -> Any:
-    """Await an async `fn`, or run a sync one in a daemon thread, for at most `timeout_s` (then TaskTimeout)."""
+    """Await an async `fn`, or run a sync one in a daemon thread, for at most `timeout_s` (then TaskTimeout). A sync
+    call the caller stops waiting for (timeout, cancellation) is abandoned: it never calls back into the loop."""
     if is_async_callable(fn):
         awaitable = fn(**kwargs)
+        call = None
     else:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
 
         def settle(value: Any, exc: BaseException | None) -> None:
             def apply() -> None:
-                if future.done():  # timed out already
-                    return
-                future.set_exception(exc) if exc is not None else future.set_result(value)
+                if not future.done():
+                    future.set_exception(exc) if exc is not None else future.set_result(value)
 
-            loop.call_soon_threadsafe(apply)
+            with contextlib.suppress(RuntimeError):  # the loop closed without cancelling its waiter: nobody waits
+                loop.call_soon_threadsafe(apply)
 
-        _start(fn, (), kwargs, settle)
+        call = _Call(fn, (), kwargs, settle)
         awaitable = future
     try:
         return await asyncio.wait_for(awaitable, timeout_s)
     except TimeoutError:
-        raise TaskTimeout(f"{getattr(fn, '__name__', fn)} did not return within TASK_TIMEOUT_S={timeout_s:g}s") \
-            from None
+        raise _late(fn, timeout_s) from None
+    finally:
+        if call is not None:
+            call.abandon()
 
 
 def clean_score(value: Any) -> float | None:

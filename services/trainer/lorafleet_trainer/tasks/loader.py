@@ -17,7 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from lorafleet.settings import ConfigError, Settings
+from lorafleet.settings import ConfigError, TrainerSettings
 
 from lorafleet_trainer.tasks.spec import (
     BUILD_FUNCTION,
@@ -89,10 +89,11 @@ def read_task_settings(task: str) -> tuple[TaskSettings, ModuleType]:
     for name, value in (("defaults", defaults), ("trl_args", trl_args)):
         if not isinstance(value, Mapping):
             raise TaskError(where, f"`{name}` must be a dict, not {type(value).__name__}")
-    unknown = sorted(set(defaults) - set(Settings.model_fields))
+    unknown = sorted(set(defaults) - set(TrainerSettings.model_fields))
     if unknown:
-        raise TaskError(where, f"`defaults` names {', '.join(unknown)}, which are not lorafleet settings: use the "
-                        "settings' names in lower case (learning_rate for LEARNING_RATE); README 'Settings'")
+        raise TaskError(where, f"`defaults` names {', '.join(unknown)}, which are not lorafleet settings the trainer "
+                        "reads: use the common or trainer settings' names in lower case (learning_rate for "
+                        "LEARNING_RATE); docs/reference/settings.md")
     if isinstance(threshold, bool) or not isinstance(threshold, int | float):
         raise TaskError(where, f"`pass_threshold` must be a number, not {type(threshold).__name__}")
     return TaskSettings(task, where, dict(defaults), dict(trl_args), float(threshold)), module
@@ -116,7 +117,7 @@ def _normalise_dataset(value: Any) -> Any:
     return _as_messages(value)
 
 
-def build_task(task_settings: TaskSettings, module: ModuleType, tokenizer: Any, settings: Settings) -> Task:
+def build_task(task_settings: TaskSettings, module: ModuleType, tokenizer: Any, settings: TrainerSettings) -> Task:
     """Collect the task's data: module-level names, then whatever `build_task(tokenizer, settings)` returns."""
     where = task_settings.where
     provided = {name: getattr(module, name) for name in DATA_NAMES if hasattr(module, name)}

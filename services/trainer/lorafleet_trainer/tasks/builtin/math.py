@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from lorafleet.settings import Settings
+from lorafleet.settings import TrainerSettings
 
 from lorafleet_trainer.recipes import MATH_DATASET, load_local_dataset, to_prompt_rows
 from lorafleet_trainer.rewards import boxed_answer_reward
@@ -21,7 +21,7 @@ EVAL_SEED = 1234
 pass_threshold = 1.0
 
 
-def math_task(dataset: Any, settings: Settings) -> dict[str, Any]:
+def math_task(dataset: Any, settings: TrainerSettings) -> dict[str, Any]:
     """Problem/solution rows as the task: the boxed-answer reward, `EVAL_PROBLEMS` held out (the same every run)."""
     reward = functools.partial(boxed_answer_reward, max_completion_length=settings.max_completion_length)
     if len(dataset) <= 2 * EVAL_PROBLEMS:
@@ -30,7 +30,7 @@ def math_task(dataset: Any, settings: Settings) -> dict[str, Any]:
     return {"train_dataset": parts["train"], "eval_dataset": parts["test"], "reward_funcs": [reward]}
 
 
-def build_task(tokenizer: Any, settings: Settings) -> dict[str, Any]:
+def build_task(tokenizer: Any, settings: TrainerSettings) -> dict[str, Any]:
     if settings.dataset_path:
         return math_task(to_prompt_rows(load_local_dataset(settings.dataset_path), settings.dataset_path), settings)
     from datasets import load_dataset

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lorafleet.settings import ConfigError, Settings
-from lorafleet.tiny import MODEL_MARKER
+from lorafleet.settings import ConfigError, TrainerSettings
+from lorafleet.tiny_vocabulary import MODEL_MARKER
 
 from lorafleet_trainer.recipes import tiny_dataset, tiny_targets
 from lorafleet_trainer.rewards import target_token_reward
@@ -51,7 +51,7 @@ def check_model(base_model: str) -> None:
         ) from None
 
 
-def build_task(tokenizer: Any, settings: Settings) -> dict[str, Any]:
+def build_task(tokenizer: Any, settings: TrainerSettings) -> dict[str, Any]:
     check_model(settings.base_model)
     targets = tiny_targets(settings.base_model, tokenizer)
     return {

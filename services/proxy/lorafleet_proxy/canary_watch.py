@@ -1,0 +1,141 @@
+"""The fleet's use of the agreement canary (canary.py): which subjects are probed, on which replicas, and when.
+
+Three moments: a load answers only after the canary judged the replicas that loaded it (broadcast.py asks
+`judge`); a catch-up ends with the syncing replica agreeing with every agreed answer (`verify`); and a periodic
+round (PROXY_CANARY_INTERVAL_S) probes the base model and each run's newest adapter on every ready replica that
+serves it. A replica whose answer departs is quarantined through the fleet. Why: docs/concepts/provenance.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from lorafleet.settings import ProxySettings
+from lorafleet.vllm_api import VLLMError
+
+from .canary import BASE_SUBJECT, Canary, CanaryAnswer, Key
+from .ledger import Ledger
+from .metrics import Metrics
+from .replica import Replica, State
+
+if TYPE_CHECKING:
+    from .fleet import Fleet
+
+log = logging.getLogger("lorafleet.proxy.fleet")
+
+
+class CanaryDisagreement(VLLMError):
+    """A syncing replica's canary answer departs from the fleet's agreed answer: it stays out of routing."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0, message, "CanaryDisagreement")
+        self.args = (message,)  # read as what it says, not as an HTTP status
+
+
+class CanaryWatch:
+    """Probes the fleet's subjects and acts on the verdicts; the canary's references live as long as the proxy."""
+
+    def __init__(self, fleet: Fleet, settings: ProxySettings, ledger: Ledger, metrics: Metrics) -> None:
+        self.fleet = fleet
+        self.ledger = ledger
+        self.metrics = metrics
+        self.canary = Canary(settings, metrics)
+
+    def subject_key(self, subject: str, replica: Replica | None = None) -> Key:
+        """What a subject's reference is kept under: an adapter's content (fingerprint, else path), the base
+        model's name."""
+        if subject == BASE_SUBJECT:
+            info = replica.info if replica is not None else next((r.info for r in self.fleet.ready() if r.info), None)
+            return subject, info.model if info is not None else ""
+        entry = self.ledger.get(subject)
+        return subject, (entry.fingerprint or entry.path) if entry is not None else ""
+
+    def probe_model(self, subject: str, replica: Replica) -> str:
+        if subject != BASE_SUBJECT:
+            return subject
+        return replica.info.model if replica.info is not None else next(
+            (r.info.model for r in self.fleet.ready() if r.info is not None), "")
+
+    async def judge(self, subject: str, replicas: list[Replica], key: Key | None = None,
+                    ) -> tuple[list[Replica], bool, str]:
+        """Probe `replicas` for `subject` and judge their answers: (the odd ones, decided, why); `key` where the
+        ledger does not hold the subject yet (a load being answered)."""
+        if not replicas:
+            return [], True, ""
+        model = self.probe_model(subject, replicas[0])
+        answers = await self.canary.probe_all(model, {r.url: r.client for r in replicas})
+        verdict = self.canary.judge(key or self.subject_key(subject, replicas[0]), answers)
+        return [r for r in replicas if r.url in verdict.odd], verdict.decided, verdict.why
+
+    async def verify(self, replica: Replica) -> None:
+        """The end of a catch-up: the replica answers every subject with an agreed answer as agreed, or stays out
+        (raises CanaryDisagreement). Subjects without a reference yet are judged at the next round."""
+        subjects = [BASE_SUBJECT, *replica.servable(self.ledger.entries())]  # not what it withholds (sync.py)
+        for subject in subjects:
+            key = self.subject_key(subject, replica)
+            if key not in self.canary.references:
+                continue
+            answer = await self.canary.probe(replica.client, self.probe_model(subject, replica))
+            if answer is None:
+                raise CanaryDisagreement(f"canary: no usable answer for {subject or 'the base model'}")
+            if self.canary.agrees_with_reference(key, answer) is False and not await self.outvotes_reference(
+                    subject, key, replica, answer):
+                reference = self.canary.references[key]
+                reason = (f"canary: departs from the agreed answer for {subject or 'the base model'} at catch-up "
+                          f"(tokens {list(answer.tokens)} vs {list(reference.tokens)}, largest logprob difference "
+                          f"{answer.distance(reference):.4g})")
+                # Doubted like a quarantine: the next catch-up reloads it and resets the cache, instead of finding
+                # the same name and path loaded and probing the same wrong weights forever.
+                if subject not in replica.suspect:  # a quarantine counted it already, and its reason stays
+                    self.metrics.canary_disagreements.inc()
+                    replica.suspect.add(subject)
+                replica.canary_failure = replica.canary_failure or reason
+                raise CanaryDisagreement(reason)
+        replica.canary_failure = None
+        replica.suspect.clear()
+
+    async def outvotes_reference(self, subject: str, key: Key, replica: Replica, answer: CanaryAnswer) -> bool:
+        """Whether a catch-up's departure from the reference is the reference's age, not the replica's weights: the
+        other replicas that serve the subject now (ready or catching up) are probed with it, and a strict majority
+        that includes it becomes the reference, as a round's majority would. A reference can go stale while the
+        weights stay: a CPU replica's logprobs move once adapters are loaded beside the base model, and a fleet whose
+        every replica re-syncs (after a quarantine) would otherwise be held out by an answer none gives any more. Not
+        while the fleet is paused: the probes would wait in the replicas' queues."""
+        if self.fleet.paused:
+            return False
+        peers = {r.url: r.client for r in self.fleet.replicas.values() if r is not replica
+                 and r.state in (State.READY, State.SYNCING) and (subject == BASE_SUBJECT or subject in r.adapters)}
+        if not peers:
+            return False
+        answers = {replica.url: answer, **await self.canary.probe_all(self.probe_model(subject, replica), peers)}
+        verdict = self.canary.judge(key, answers)
+        return verdict.decided and replica.url not in verdict.odd
+
+    def subjects(self) -> list[str]:
+        """The base model and the newest adapter of each run (the versions rollouts are sampled with now)."""
+        newest: dict[str, str] = {}
+        for name, entry in self.ledger.entries().items():
+            newest[entry.run] = name  # the ledger keeps load order: the last one of a run is its newest
+        return [BASE_SUBJECT, *newest.values()]
+
+    async def round(self) -> None:
+        """The periodic round: every subject on every ready replica that serves it; odd replicas quarantined."""
+        fleet = self.fleet
+        self.canary.rounds += 1
+        self.canary.last_round = time.monotonic()
+        for subject in self.subjects():
+            epoch = fleet.broadcast_epoch
+            holders = [r for r in fleet.ready() if subject == BASE_SUBJECT or subject in r.adapters]
+            odd, decided, why = await self.judge(subject, holders)
+            if fleet.lock.locked() or epoch != fleet.broadcast_epoch:
+                continue  # a broadcast ran meanwhile: these answers may predate it
+            if not decided and len(holders) > 1:
+                log.warning("canary undecided subject=%s: %s", subject or "base", why)
+            for replica in odd:
+                fleet.quarantine(replica, subject, why)
+
+    def forget(self, subject: str) -> None:
+        """The subject left the fleet (an adapter unloaded everywhere and out of the ledger): its references go."""
+        self.canary.forget(subject)

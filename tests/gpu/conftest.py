@@ -1,0 +1,107 @@
+"""The GPU tier (marker `gpu`): tests that need an NVIDIA GPU, run with a python whose torch (and, for the process
+tier, vLLM) is built for CUDA (`make test-gpu-processes`, docs/guides/gpu-processes.md).
+
+Where there is no GPU, every test here is skipped with one reason; where torch sees a GPU but this python has no
+CUDA vLLM, the process tier (test_gpu_processes.py) is. The process tier's harness is the CPU tier's
+(lorafleet_testing.fleet) with the device as its parameter: the replicas and the trainer placed on the host's GPUs by
+lorafleet_ops.placement. LORAFLEET_TEST_GPUS picks the GPUs (default: every GPU nvidia-smi lists, limited to
+CUDA_VISIBLE_DEVICES), LORAFLEET_TEST_TRAINER_GPU the trainer's placement (auto, own, shared).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from lorafleet_ops.host_check import NoGpu, nvidia_gpus
+from lorafleet_ops.placement import Placement, PlacementError, TrainerPolicy, detect_gpus, parse_gpu_list, plan
+from lorafleet_testing.fleet import (  # noqa: F401 (fixtures, found by name)
+    FleetDevice,
+    adapter_root,
+    fleet,
+    gpu_device,
+    launch_replicas,
+    log_dir,
+    make_adapter,
+    replica_env,
+    root,
+    served_adapters,
+    shared_replicas,
+    start_proxy,
+    start_replicas,
+    start_trainer,
+    tiny_model,
+)
+
+HERE = Path(__file__).resolve().parent
+PROCESS_TIER = "test_gpu_processes.py"
+# Replicas the process tier runs at once: the session's two and the one a test kills and restarts.
+SESSION_REPLICAS = 3
+GPUS_VARIABLE = "LORAFLEET_TEST_GPUS"
+TRAINER_VARIABLE = "LORAFLEET_TEST_TRAINER_GPU"
+
+
+@functools.cache
+def no_cuda() -> str | None:
+    """Why nothing here can run on this machine (None: a GPU that torch sees)."""
+    try:
+        nvidia_gpus()
+    except NoGpu as exc:
+        return f"no CUDA: {exc}"
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"no CUDA: torch {torch.__version__} in {sys.executable} sees no GPU (a CPU build of torch?)"
+    return None
+
+
+@functools.cache
+def no_cuda_vllm() -> str | None:
+    """Why the process tier cannot run with this python (None: it has vLLM built for CUDA)."""
+    if importlib.util.find_spec("vllm") is None:
+        return f"no vLLM in {sys.executable}: run it with GPU_PYTHON=<a python with CUDA vLLM> (gpu-processes guide)"
+    version = importlib.metadata.version("vllm")
+    if "+cpu" in version:
+        return f"the vLLM in {sys.executable} is the CPU build ({version}): run with GPU_PYTHON=<a CUDA vLLM python>"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skipped here, before the tests' own marks and fixtures: one reason, reported once for the whole folder."""
+    if HERE not in item.path.parents:
+        return
+    reason = no_cuda() or (no_cuda_vllm() if item.path.name == PROCESS_TIER else None)
+    if reason:
+        pytest.skip(reason)
+
+
+@functools.cache
+def placement() -> Placement:
+    requested = os.environ.get(GPUS_VARIABLE, "")
+    trainer: TrainerPolicy = os.environ.get(TRAINER_VARIABLE, "auto")  # type: ignore[assignment]
+    gpus = detect_gpus(parse_gpu_list(requested, GPUS_VARIABLE) if requested else None, option=GPUS_VARIABLE)
+    return plan(gpus, SESSION_REPLICAS, trainer)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The layout the process tier runs on, at the top of its log (what a committed log must say)."""
+    if no_cuda() or no_cuda_vllm():
+        return []
+    gpus = ", ".join(f"{gpu.index}: {gpu.name} ({gpu.memory_mib} MiB)" for gpu in nvidia_gpus())
+    try:
+        layout = placement().describe()
+    except PlacementError as exc:
+        layout = f"none ({exc})"
+    return [f"lorafleet GPU tier: vLLM {importlib.metadata.version('vllm')}; GPUs {gpus}",
+            f"lorafleet GPU tier placement: {layout}"]
+
+
+@pytest.fixture(scope="session")
+def fleet_device() -> FleetDevice:
+    return gpu_device(placement())
