@@ -287,7 +287,7 @@ def test_the_session_runs_make_up_in_the_copy_as_the_user_types_it(tmp_path: Pat
     session.start()
     (up,) = docker.called("up")
     assert up[:5] == ["make", "--no-print-directory", "-C", str(session.stack.directory), "up"] and "CPU=1" in up
-    session.stop(failed=False)
+    session.stop()
     (down,) = docker.called("down")
     assert down[down.index("--project-directory") + 1] == str(session.stack.directory)
     assert {"--volumes", "--remove-orphans"} <= set(down) and down[down.index("--profile") + 1] == "*"
@@ -295,12 +295,14 @@ def test_the_session_runs_make_up_in_the_copy_as_the_user_types_it(tmp_path: Pat
 
 
 def test_failed_up_saves_logs_and_removes_everything(tmp_path: Path) -> None:
-    """When `make up` fails, logs are saved and `down --volumes` still runs."""
-    docker = RecordingDocker(fail_on="up")
+    """When `make up` fails, every container's state and logs are saved, and `down --volumes` still runs."""
+    docker = RecordingDocker(fail_on="up", outputs={"ps": "c1\nc2\n", "logs": "Traceback: the replica died"})
     session = session_for(tmp_path, docker)
     with pytest.raises(StackError, match=r"(?s)exited 1:\n.*up failed: boom"):
         session.start()
-    assert docker.called("logs") and (tmp_path / "artifacts" / "lf-stack-gpu.log").exists()
+    assert [argv[-1] for argv in docker.called("logs")] == ["c1", "c2"]
+    saved = (tmp_path / "artifacts" / "lf-stack-gpu-make-up.log").read_text()
+    assert saved.count("Traceback: the replica died") == 2
     assert docker.called("down")
 
 

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 from lorafleet.adapters import lora_dir, policy_name, policy_version, run_dir
+from lorafleet.ports import free_port
 from lorafleet_ops.processes import Service
 from lorafleet_trainer.recipes import TINY_PROMPTS
 from lorafleet_trainer.resume import PROMPTS_FILE, rollback_bound
@@ -220,3 +221,27 @@ def test_a_checkpoint_cut_by_the_kill_is_never_resumed_from(killed, root):
     assert f"event=checkpoint_incomplete checkpoint={half_written}" in killed["log"]
     # The final start wrote that step again, whole: complete, the marker gone.
     assert (half_written / "trainer_state.json").is_file() and not (half_written / WRITING_MARKER).exists()
+
+
+def _catches(pid: int, sig: int) -> bool | None:
+    """True once process `pid` has a handler for `sig` (the SigCgt mask of /proc/<pid>/status), else None."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return True if int(line.split()[1], 16) >> (sig - 1) & 1 else None
+    return None
+
+
+def test_a_stop_while_the_trainer_starts_exits_0_before_it_touches_the_fleet(start_trainer, tmp_path: Path) -> None:
+    """`docker compose stop` seconds after a (re)start comes before the lifecycle's handlers exist (the task and the
+    configs are still being built). As a container's PID 1 the trainer would drop it and be SIGKILLed 90 s later
+    without a checkpoint; held from the process's first instant, it ends the start with exit 0, the fleet untouched
+    (its URL here is a closed port: any call to it would end in a refusal, exit 3)."""
+    trainer = start_trainer("stop-while-starting", tmp_path, "stopped-early", f"http://127.0.0.1:{free_port()}")
+    _wait(lambda: _catches(trainer.pid, signal.SIGTERM), trainer, "its stop handler", poll_s=0.005)
+    os.kill(trainer.pid, signal.SIGTERM)
+    assert trainer.process is not None
+    code = trainer.process.wait(timeout=WAIT_S)
+    log = trainer.log_path.read_text()
+    assert code == 0, log[-3000:]
+    assert "event=stop_requested signal=SIGTERM" in log and "event=stopped reason=signal step=None" in log, log[-3000:]
+    assert "event=preflight_passed" not in log and "event=refused" not in log, log[-3000:]

@@ -25,7 +25,8 @@ from `.env.example` and the two keys (lorafleet_testing.stack_plan, .stack_drive
   10. a replica frozen (`docker pause`) under traffic: it leaves routing, no client-visible failure, and unpaused it
      re-syncs and takes traffic again;
   11. `make down` leaves volumes only, `down -v` nothing.
-The stack is always removed with `down -v`; when a test failed, `docker compose logs` is saved under results/stack/.
+The stack is always removed with `down -v`; when a test fails, every container's state and logs are saved under
+results/stack/ at once.
 """
 
 from __future__ import annotations
@@ -111,13 +112,19 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     started = time.monotonic()
     session.start()  # tears down (and saves logs) itself when `make up` fails
     print(f"\n`make up{' CPU=1' if PROFILE == 'cpu' else ''}` took {time.monotonic() - started:.0f}s")
-    failed_before = request.session.testsfailed
     try:
         yield stack
     finally:
-        logs = session.stop(failed=request.session.testsfailed > failed_before)
-        if logs:
-            print(f"\ncompose logs saved to {logs}")
+        session.stop()
+
+
+@pytest.fixture(autouse=True)
+def logs_when_failed(request: pytest.FixtureRequest, stack: Stack) -> Iterator[None]:
+    """A failed test's evidence, saved before the next test changes it (the last one removes every container)."""
+    failed_before = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed_before:
+        print(f"\nlogs of every container saved to {stack.save_logs(ARTIFACTS, request.node.name)}")
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------
@@ -386,6 +393,12 @@ def container_logs(stack: Stack, container: str) -> str:
     return result.stdout + result.stderr
 
 
+def before_its_restart(stack: Stack, state: dict[str, Any]) -> str:
+    """How a restarted container's previous process ended: the last lines it logged before the current one started."""
+    result = stack.docker("logs", "--until", state["State"]["StartedAt"], "--tail", "40", state["Id"], check=False)
+    return result.stdout + result.stderr
+
+
 def started_at(stack: Stack, container: str) -> float:
     """When the container's main process last started (Docker's State.StartedAt, nanoseconds), as Unix time."""
     whole, _, fraction = stack.inspect(container)["State"]["StartedAt"].rstrip("Z").partition(".")
@@ -484,8 +497,9 @@ def test_two_runs_train_through_the_proxy_killed_and_a_minute_without_a_fleet(st
         stack.compose("start", "proxy", timeout_s=120)
         after_stop_s = serving_after_start_s(stack, proxy["ID"], model, stopped_at)
         train_on("after a minute without a fleet")
-        assert {run: state()["RestartCount"] for run, state in containers.items()} == restarts, \
-            "a trainer was restarted: it died waiting for the fleet"
+        restarted = [state() for run, state in containers.items() if state()["RestartCount"] != restarts[run]]
+        assert not restarted, "a trainer was restarted: it died waiting for the fleet\n" + "\n".join(
+            f"{gone['Name']}: {gone['State']}\n{before_its_restart(stack, gone)}" for gone in restarted)
         wait_for(lambda: every_replica_serves_the_ledger(stack, (RUN_NAME, SECOND_RUN)),
                  "every replica serving both runs' ledger adapters", 300)
 

@@ -790,6 +790,35 @@ async def test_a_run_logging_steps_counts_as_training(served_fleet, served):
     _clean(served_fleet, served)
 
 
+async def test_a_fleet_serving_a_runs_adapters_counts_as_training(served_fleet, served):
+    """Between two requests a run still holds its LoRA slots: the probe's load could take the one its next version
+    needs (its sync then fails with the budget's 409), so served adapters alone keep the probe off."""
+    served_fleet.load("trl-policy-v7", str(served.adapter_root / "runs" / "a" / ".vllm_lora" / "trl-policy-v7"))
+    results = await _doctor(served_fleet, served, probe=None)
+    for name in ("adapter_root", "broadcasts"):
+        _one(results[name], Status.SKIP, "the fleet is training", "1 adapter(s) of runs served", "PROBE=1")
+    assert [name for name, _ in served_fleet.ledger] == ["trl-policy-v7"], "nothing may be loaded beside the run"
+    assert not any(served_fleet.paused.values())
+
+
+async def test_the_trainers_preflight_lets_the_fleet_decide_whether_to_probe(served, monkeypatch):
+    """A run named by its key has the default run's URL: whatever the URL, the trainer's preflight probes only a fleet
+    that is not training (run_doctor's probe=None), never by force."""
+    from lorafleet_ops.commands.doctor import preflight
+
+    asked: list[Any] = []
+
+    async def recorded(settings, url, **kwargs):
+        asked.append((url, kwargs["probe"]))
+        return []
+
+    monkeypatch.setattr(preflight, "run_doctor", recorded)
+    for url in ("http://proxy:8000", "http://proxy:8000/runs/b"):
+        settings = served.model_copy(update={"trainer_vllm_url": url})
+        assert await preflight.trainer_preflight(settings, None) is None
+    assert asked == [("http://proxy:8000", None), ("http://proxy:8000", None)]
+
+
 def test_cli_probe_flags_default_to_auto():
     from lorafleet_ops.commands.cli import build_parser
 

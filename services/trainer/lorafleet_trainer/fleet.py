@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -68,10 +69,21 @@ def check_adapter_sync(server_config: dict[str, Any], lora_config: Any, max_stal
         )
 
 
-async def wait_healthy(client: VLLMClient, timeout_s: float) -> None:
-    """Wait for the fleet's /health; a refusal of this run's key (401/403) is final: waiting cannot mend it."""
+class StopRequested(Exception):
+    """A stop (a signal, lifecycle.py) came while the trainer waited for its fleet: nothing to train or save."""
+
+
+def never() -> bool:
+    return False
+
+
+async def wait_healthy(client: VLLMClient, timeout_s: float, stopping: Callable[[], bool] = never) -> None:
+    """Wait for the fleet's /health; a refusal of this run's key (401/403) is final: waiting cannot mend it, and a
+    stop asked for meanwhile ends the wait (StopRequested)."""
     deadline = time.monotonic() + timeout_s
     while True:
+        if stopping():
+            raise StopRequested
         try:
             await client.request("GET", "/health", timeout=5.0)
             return
@@ -86,9 +98,9 @@ async def wait_healthy(client: VLLMClient, timeout_s: float) -> None:
         await asyncio.sleep(2.0)
 
 
-async def probe_fleet(settings: TrainerSettings, client: VLLMClient) -> int:
+async def probe_fleet(settings: TrainerSettings, client: VLLMClient, stopping: Callable[[], bool] = never) -> int:
     """Wait for the fleet to be healthy and return its ready replica count (TRAINER_REPLICAS wins when set)."""
-    await wait_healthy(client, settings.trainer_server_timeout_s)
+    await wait_healthy(client, settings.trainer_server_timeout_s, stopping)
     if settings.trainer_replicas:
         return settings.trainer_replicas
     replicas = await count_replicas(client)
@@ -169,18 +181,19 @@ def fleet_client(settings: TrainerSettings, run_key: str) -> VLLMClient:
     return VLLMClient(settings.trainer_vllm_url, token=run_key)
 
 
-async def fleet_size(settings: TrainerSettings, *, run_key: str) -> int:
+async def fleet_size(settings: TrainerSettings, *, run_key: str, stopping: Callable[[], bool] = never) -> int:
     """probe_fleet against TRAINER_VLLM_URL."""
     async with fleet_client(settings, run_key) as client:
-        return await probe_fleet(settings, client)
+        return await probe_fleet(settings, client, stopping)
 
 
-async def prepare_fleet(settings: TrainerSettings, lora_config: Any, *, run_key: str) -> list[str]:
+async def prepare_fleet(settings: TrainerSettings, lora_config: Any, *, run_key: str,
+                        stopping: Callable[[], bool] = never) -> list[str]:
     """register_run (shared fleets), preflight, sweep_policies, then the doctor's whole checklist, against
     TRAINER_VLLM_URL. (The doctor reads TRAINER_RUN_KEY_FILE itself.) Returns the swept names: this run's next
     version must pass them (resume.py)."""
     async with fleet_client(settings, run_key) as client:
-        await wait_healthy(client, settings.trainer_server_timeout_s)
+        await wait_healthy(client, settings.trainer_server_timeout_s, stopping)
         await register_run(settings, client)
         await preflight(settings, lora_config, client)
         swept = await sweep_policies(client)

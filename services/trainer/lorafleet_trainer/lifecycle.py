@@ -32,11 +32,12 @@ from lorafleet.logs import log_event
 from lorafleet.settings import TrainerSettings
 from transformers import TrainerCallback
 
+from lorafleet_trainer import early_stop
+from lorafleet_trainer.early_stop import STOP_SIGNALS
 from lorafleet_trainer.ranks import die_with_parent
 from lorafleet_trainer.run_state import checkpoint_complete, prune_checkpoints
 
 log = logging.getLogger(__name__)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 GB = 1024**3
 
 # Stop reasons, as logged in the last line (`event=stopped reason=...`).
@@ -129,8 +130,11 @@ class RunLifecycle(TrainerCallback):
 
     # -- signals ---------------------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
+        """From here on this callback decides; a signal held since the process started counts as the first."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
+        if (held := early_stop.take()) is not None:
+            self._on_signal(held, None)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name

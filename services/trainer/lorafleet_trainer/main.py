@@ -29,6 +29,7 @@ from lorafleet.logs import configure, log_event
 from lorafleet.settings import ConfigError, TrainerSettings, env_name, load_settings
 from lorafleet.vllm_api import VLLMError
 
+from lorafleet_trainer import early_stop
 from lorafleet_trainer.ranks import (
     Launcher,
     RankContext,
@@ -96,7 +97,7 @@ def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_r
     from lorafleet_trainer.config import build_configs
     from lorafleet_trainer.evaluation import eval_callbacks
     from lorafleet_trainer.exporter import exporter_callbacks
-    from lorafleet_trainer.fleet import PreflightError, fleet_size, prepare_fleet
+    from lorafleet_trainer.fleet import PreflightError, StopRequested, fleet_size, prepare_fleet
     from lorafleet_trainer.fleet_rollouts import check_rollout_hooks, wire_rollouts
     from lorafleet_trainer.lifecycle import Limits, RunLifecycle, shield_rollout_worker
     from lorafleet_trainer.resilience import retry_control_calls
@@ -108,6 +109,9 @@ def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_r
     if not dry_run and (low_disk := lifecycle.low_disk()):
         log_event(log, "refused", logging.ERROR, reason=f"refusing to start: {low_disk}")
         return EXIT_PREFLIGHT
+    if not dry_run:  # a stop from here on, or one held since the process started, ends the start with exit 0
+        lifecycle.install_signal_handlers()
+    stopping = lambda: lifecycle.reason is not None  # noqa: E731
     cuda = plan.device == "cuda"
     main_rank = context.rank == 0  # the one process that talks to the fleet
     try:  # before anything touches the fleet: a forced kernel that cannot run here is a config error
@@ -126,8 +130,11 @@ def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_r
             log_event(log, "task_ready", **task.summary())
     try:
         replicas = settings.trainer_replicas or (
-            1 if dry_run or not main_rank else asyncio.run(fleet_size(settings, run_key=run_key))
+            1 if dry_run or not main_rank else asyncio.run(fleet_size(settings, run_key=run_key, stopping=stopping))
         )
+    except StopRequested:
+        stopped_before_training(lifecycle, None)
+        return 0
     except (PreflightError, VLLMError) as exc:
         log_event(log, "refused", logging.ERROR, reason=str(exc))
         return EXIT_PREFLIGHT
@@ -153,11 +160,15 @@ def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_r
         )
     if dry_run:
         return 0
-    lifecycle.install_signal_handlers()
+    if stopped_before_training(lifecycle, checkpoint.path if checkpoint else None):
+        return 0
     swept: list[str] = []
     try:
         if main_rank:
-            swept = asyncio.run(prepare_fleet(settings, configs.lora, run_key=run_key))
+            swept = asyncio.run(prepare_fleet(settings, configs.lora, run_key=run_key, stopping=stopping))
+    except StopRequested:
+        stopped_before_training(lifecycle, checkpoint.path if checkpoint else None)
+        return 0
     except (PreflightError, VLLMError) as exc:
         log_event(log, "refused", logging.ERROR, reason=str(exc))
         return EXIT_PREFLIGHT
@@ -258,8 +269,7 @@ def run_until_stopped(trainer: Any, lifecycle: RunLifecycle, resume_from: Path |
     from lorafleet_trainer.run_state import export_final_adapter
 
     lifecycle.agree = stop_agreement(trainer.accelerator)
-    if lifecycle.reason:  # signalled while the fleet was checked or the model loaded: nothing trained yet
-        log_event(log, "stopped", reason=lifecycle.reason, step=None, checkpoint=resume_from)
+    if stopped_before_training(lifecycle, resume_from):  # signalled while the fleet was checked or the model loaded
         return 0
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
@@ -284,6 +294,14 @@ def run_until_stopped(trainer: Any, lifecycle: RunLifecycle, resume_from: Path |
             resume="start again with the same RUN_NAME",
         )
     return 0
+
+
+def stopped_before_training(lifecycle: RunLifecycle, resume_from: Path | None) -> bool:
+    """True (and the last line logged) when a stop came before the first step: nothing to train or save."""
+    if lifecycle.reason is None:
+        return False
+    log_event(log, "stopped", reason=lifecycle.reason, step=None, checkpoint=resume_from)
+    return True
 
 
 def bound_score_queue(trainer: Any, groups: int) -> None:
@@ -332,5 +350,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
 
 
+def entry() -> int:
+    """The `lorafleet-train` process (console script and each rank): stop signals are held from its first instant
+    (early_stop.py: a container's PID 1 would drop them), then `main`."""
+    early_stop.hold()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

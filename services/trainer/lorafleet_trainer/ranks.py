@@ -31,12 +31,14 @@ from lorafleet.logs import log_event
 from lorafleet.ports import free_port
 from lorafleet.settings import ConfigError, TrainerSettings
 
+from lorafleet_trainer import early_stop
+from lorafleet_trainer.early_stop import STOP_SIGNALS
+
 log = logging.getLogger(__name__)
 
 Device = Literal["cuda", "cpu"]
 Sharding = Literal["none", "fsdp2", "ddp"]
 LAUNCHER_PID = "LORAFLEET_LAUNCHER_PID"  # set in every rank this launcher starts
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 POLL_S = 0.2
 PR_SET_PDEATHSIG = 1
 
@@ -246,6 +248,9 @@ class Launcher:
     def run(self) -> int:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self.relay)
+        if (held := early_stop.take()) is not None:  # stopped while it started: no rank to start or stop
+            log_event(log, "stopped", reason="signal", signal=signal.Signals(held).name, step=None)
+            return 0
         try:
             self.start()
             return self.supervise()

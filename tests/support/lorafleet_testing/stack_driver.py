@@ -145,21 +145,32 @@ class Stack:
     def read_file(self, service: str, path: str) -> str:
         return self.compose("exec", "-T", service, "cat", path, timeout_s=60).stdout
 
+    def _project_label(self) -> str:
+        """The filter that finds what Compose made for this project (one-off `run` containers included)."""
+        return f"label=com.docker.compose.project={self.plan.project}"
+
     def leftovers(self) -> dict[str, list[str]]:
         """The project's containers, networks and volumes that still exist (by Compose's project label)."""
-        label = f"label=com.docker.compose.project={self.plan.project}"
+        label = self._project_label()
         found = {"containers": self.docker("ps", "--all", "--quiet", "--filter", label).stdout.split(),
                  "networks": self.docker("network", "ls", "--quiet", "--filter", label).stdout.split(),
                  "volumes": self.docker("volume", "ls", "--quiet", "--filter", label).stdout.split()}
         return {kind: ids for kind, ids in found.items() if ids}
 
     # --- the life of the stack ---------------------------------------------------------------------------------
-    def save_logs(self, artifacts: Path) -> Path:
-        """`docker compose logs` of every container of the project, for the CI artifact."""
+    def save_logs(self, artifacts: Path, name: str) -> Path:
+        """Every container of the project (one-offs such as `make train RUN=b` and stopped ones included): its
+        state and `docker logs`, which keep what a restarted container printed before it died; for the CI artifact.
+        Saved when a test fails, while its containers still exist."""
         artifacts.mkdir(parents=True, exist_ok=True)
-        path = artifacts / f"{self.plan.project}.log"
-        result = self.compose("logs", "--no-color", "--timestamps", check=False, timeout_s=300)
-        path.write_text(result.stdout + result.stderr)
+        path = artifacts / f"{self.plan.project}-{name}.log"
+        ids = self.docker("ps", "--all", "--quiet", "--filter", self._project_label(), check=False).stdout.split()
+        with path.open("w") as out:
+            for container in ids:
+                state = self.docker("inspect", "--format", "{{.Name}} restarts={{.RestartCount}} {{json .State}}",
+                                    container, check=False)
+                logs = self.docker("logs", "--timestamps", container, check=False, timeout_s=120)
+                out.write(f"===== {state.stdout.strip() or container}\n{logs.stdout}{logs.stderr}\n")
         return path
 
     def remove(self) -> subprocess.CompletedProcess[str]:
@@ -169,7 +180,7 @@ class Stack:
 
 
 class StackSession:
-    """`make up` for a test module, and always `down -v` afterwards, logs saved when anything failed."""
+    """`make up` for a test module, and always `down -v` afterwards; logs saved when `make up` failed."""
 
     def __init__(self, stack: Stack, artifacts: Path, *, wait_timeout_s: int) -> None:
         self.stack = stack
@@ -181,10 +192,9 @@ class StackSession:
         try:
             self.stack.make("up", timeout_s=self.wait_timeout_s + 3600)
         except BaseException:
-            self.stop(failed=True)
+            self.stack.save_logs(self.artifacts, "make-up")
+            self.stop()
             raise
 
-    def stop(self, failed: bool) -> Path | None:
-        logs = self.stack.save_logs(self.artifacts) if failed else None
+    def stop(self) -> None:
         self.stack.remove()
-        return logs

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from lorafleet.logs import LogfmtFormatter
+from lorafleet_trainer import early_stop
 from lorafleet_trainer import lifecycle as lc
 from lorafleet_trainer.lifecycle import GB, Limits, RunLifecycle, StoppedWhileWaiting, _ShieldedContext
 
@@ -249,6 +250,36 @@ def test_a_signal_before_training_trains_nothing(tmp_path, events):
     assert run_until_stopped(trainer, life, None) == 0
     assert trainer.state.global_step == 0 and not list(tmp_path.iterdir())
     assert "event=stopped reason=signal step=None" in events[-1]
+
+
+@pytest.fixture
+def restored_stop_handlers() -> Iterator[None]:
+    previous = {sig: signal.getsignal(sig) for sig in early_stop.STOP_SIGNALS}
+    yield
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    early_stop.take()
+
+
+def test_a_stop_held_since_the_process_started_is_the_lifecycles_first_signal(restored_stop_handlers, events):
+    """`docker compose stop` in the seconds before the lifecycle's handlers exist: PID 1 would drop it, the process
+    killed 90 s later. Held from the first instant, it stops the start before the first step."""
+    early_stop.hold()
+    os.kill(os.getpid(), signal.SIGTERM)
+    life = _lifecycle()
+    assert life.reason is None
+    life.install_signal_handlers()
+    assert life.reason == lc.SIGNAL and "event=stop_requested signal=SIGTERM" in events[-1]
+    assert early_stop.take() is None, "a held signal is taken once"
+
+
+def test_a_second_stop_while_starting_exits_at_once(restored_stop_handlers, monkeypatch):
+    exits: list[int] = []
+    monkeypatch.setattr(early_stop.os, "_exit", exits.append)
+    early_stop.hold()
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGINT)
+    assert exits == [128 + signal.SIGINT] and early_stop.take() == signal.SIGTERM
 
 
 def test_reaching_max_steps_is_finished_not_stopped(tmp_path, events):

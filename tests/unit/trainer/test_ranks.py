@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from lorafleet.settings import ConfigError, StackSettings
+from lorafleet_trainer import early_stop
 from lorafleet_trainer.config import build_configs, sharding_args
 from lorafleet_trainer.main import resolve_settings
 from lorafleet_trainer.ranks import (
@@ -276,6 +277,19 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
     except FileNotFoundError:
         return "Z"
+
+
+def test_a_stop_held_while_the_launcher_started_starts_no_rank(tmp_path):
+    run = launcher(tmp_path, ["stop-on-signal", "stop-on-signal"])
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        early_stop.hold()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert run.run() == 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert run.ranks == [] and not list(tmp_path.glob("rank*.signals"))
 
 
 def test_run_relays_a_real_signal_to_every_rank(tmp_path):

@@ -4,8 +4,11 @@ The trainer imports nothing of the operations package: it finds this function by
 `lorafleet.preflight: doctor` that the ops distribution registers (lorafleet_trainer.fleet.doctor_preflight).
 
 The one exception is `ratio`: it judges the run's past (metrics.jsonl), so a FAIL there is logged loudly but does
-not block resuming once the fleet itself passes. A run on a shared fleet checks the fleet itself (the proxy's own
-URL), and probes it only while no other run trains: the probe pauses every replica, which would stall the other runs.
+not block resuming once the fleet itself passes. A run checks the fleet itself (the proxy's own URL), and probes it
+only while nothing trains on it: no request in flight, no run logging steps, no run's adapter served (after this
+run's own sweep). The probe pauses every replica and loads one adapter, so on a fleet another run trains on it would
+stall that run and could take the LoRA slot that run's next version needs, failing its sync. A run named by its
+key looks like the default run from its URL, so the fleet's state decides, never the URL.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 from typing import Any
 
 from lorafleet.logs import log_event
-from lorafleet.runs import DEFAULT_RUN, fleet_url, url_run
+from lorafleet.runs import fleet_url
 from lorafleet.settings import (
     ConfigError,
     ProxySettings,
@@ -52,9 +55,7 @@ def stack_view(settings: TrainerSettings) -> StackSettings:
 
 async def trainer_preflight(settings: TrainerSettings, lora_config: Any) -> str | None:
     """None when the trainer may start; else the refusal, with the table of what blocks it."""
-    url = settings.trainer_vllm_url
-    shared = url_run(url) != DEFAULT_RUN
-    results = await run_doctor(stack_view(settings), fleet_url(url), probe=None if shared else True,
+    results = await run_doctor(stack_view(settings), fleet_url(settings.trainer_vllm_url), probe=None,
                                peft_config=lora_config)
     blocking = [result for result in failed(results) if result.name != "ratio"]
     for result in results:

@@ -23,11 +23,15 @@ TRAINING_RECENT_S = 300.0
 
 
 def training(snapshot: Snapshot) -> str | None:
-    """Why the fleet looks like it is training (requests in flight, a run logging steps), or None."""
+    """Why the fleet looks like it is training (requests in flight, a run logging steps, runs' adapters served), or
+    None. Served adapters count because a run between two requests holds its LoRA slots all the same: the probe's
+    load would take one of them, and its pause would stall that run."""
     inflight = sum(replica.inflight for replica in snapshot.replicas)
     signs = []
     if inflight:
         signs.append(f"{inflight} request(s) in flight through the proxy")
+    if snapshot.ledger:
+        signs.append(f"{len(snapshot.ledger)} adapter(s) of runs served")
     if snapshot.metrics_age_s is not None and snapshot.metrics_age_s < TRAINING_RECENT_S:
         signs.append(f"{snapshot.metrics_path} written {snapshot.metrics_age_s:.0f}s ago")
     return ", ".join(signs) or None
