@@ -52,6 +52,21 @@ async def test_an_adapter_no_ready_replica_holds_is_404_from_the_proxy_and_nothi
     assert base.status_code == 200, "the base model goes to any ready replica"
 
 
+@pytest.mark.parametrize("fleet", [(2, SLOW_HEALTH)], indirect=True)
+async def test_a_ledger_adapter_no_ready_replica_holds_yet_is_503_so_the_client_retries(fleet: Fleet) -> None:
+    """Between a proxy's restart and its replicas' re-sync, a name the ledger has is not gone: 503 (TRL's rollouts
+    wait for the fleet on it), never vLLM's 404, which ends a trainer's run. Nothing is sent to a replica."""
+    assert (await fleet.load("trl-policy-v1")).status_code == 200
+    app = fleet.proxy.server.config.app
+    for replica in app.state.fleet.replicas.values():
+        replica.adapters.clear()  # the proxy's view, as before a re-sync
+    sent = completions(fleet)
+    response = await fleet.http.post("/v1/completions", json=_completion([1] * 40, "trl-policy-v1"))
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["type"] == "ServiceUnavailable" and "retry" in response.json()["error"]["message"]
+    assert completions(fleet) == sent
+
+
 async def test_adapter_requests_go_only_to_replicas_holding_it(fleet: Fleet) -> None:
     assert (await fleet.load("trl-policy-v1")).status_code == 200
     # The proxy's view of replica 0 loses the adapter (as between a restart and its re-sync).

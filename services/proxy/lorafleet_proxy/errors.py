@@ -35,6 +35,14 @@ def model_not_found(model: str) -> JSONResponse:
     return error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
 
+def not_held_yet(model: str) -> JSONResponse:
+    """503 for an adapter in the ledger that no ready replica holds at this moment (a restarted proxy re-syncing its
+    replicas, a replica caught up to an older ledger): it exists and will be served again, so the client retries;
+    a 404 would tell it the name is gone and end its run."""
+    return error(503, f"The model `{model}` is in the fleet's ledger but no ready replica holds it yet (replicas are "
+                 "being synced to the ledger); retry", "ServiceUnavailable", "model")
+
+
 def adapter_not_found(name: str) -> JSONResponse:
     """vLLM's 404 for an unload of a name it does not hold."""
     return error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")

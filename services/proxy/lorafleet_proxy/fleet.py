@@ -93,6 +93,10 @@ class Fleet:
     def unreadable_reason(self) -> str:
         return self.ledger.unreadable_reason
 
+    def published(self, name: str) -> bool:
+        """Whether `name` is an adapter of the ledger: one the fleet serves, whether or not a replica holds it now."""
+        return self.ledger.get(name) is not None
+
     @property
     def adapter_root(self) -> Path:
         """Where every adapter the fleet loads must live (ADAPTER_ROOT)."""

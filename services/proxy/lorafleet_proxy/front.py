@@ -25,7 +25,7 @@ from lorafleet.vllm_api import PROXY_UPSTREAM_HEADER
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import bad_request, error, model_not_found, no_ready_replica
+from .errors import bad_request, error, model_not_found, no_ready_replica, not_held_yet
 from .fleet import Fleet
 from .metrics import Metrics
 from .replica import Failure, Replica
@@ -244,8 +244,10 @@ class Front:
             if not failed.retry:
                 break
         if last is None:
+            shown = request.shown or request.adapter
             last = (no_ready_replica(self.fleet) if not self.fleet.ready()
-                    else model_not_found(request.shown or request.adapter))
+                    else not_held_yet(shown) if request.adapter and self.fleet.published(request.adapter)
+                    else model_not_found(shown))
         await last(request.scope, request.receive, request.send)
 
     def route(self, adapter: str, prompts: list[Prompt], urls: list[str]) -> str:

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import sys
+import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,7 @@ FLAG_FIELDS = (
 )
 EXIT_CONFIG = 2
 EXIT_PREFLIGHT = 3
+EXIT_CRASH = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -352,9 +354,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> int:
     """The `lorafleet-train` process (console script and each rank): stop signals are held from its first instant
-    (early_stop.py: a container's PID 1 would drop them), then `main`."""
+    (early_stop.py: a container's PID 1 would drop them), then `main`.
+
+    A crash ends the process at once with EXIT_CRASH, its traceback printed: the interpreter's own shutdown would
+    join multiprocessing's queue feeder threads, and one whose reader (TRL's rollout child) died blocks forever, so a
+    crashed trainer would hang instead of exiting and being restarted.
+    """
     early_stop.hold()
-    return main()
+    try:
+        return main()
+    except Exception:
+        traceback.print_exc()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_CRASH)
 
 
 if __name__ == "__main__":

@@ -282,6 +282,22 @@ def test_a_second_stop_while_starting_exits_at_once(restored_stop_handlers, monk
     assert exits == [128 + signal.SIGINT] and early_stop.take() == signal.SIGTERM
 
 
+def test_a_crash_exits_at_once_with_its_traceback(restored_stop_handlers, monkeypatch, capsys):
+    """TRL's rollout child dead, the interpreter's shutdown would wait forever on a queue it no longer reads: the
+    console script exits with EXIT_CRASH at once, so Docker's on-failure policy restarts the trainer."""
+    from lorafleet_trainer import main as trainer_main
+
+    def crash() -> int:
+        raise RuntimeError("Rollout worker child has failed; see chained exception.")
+
+    exits: list[int] = []
+    monkeypatch.setattr(trainer_main, "main", crash)
+    monkeypatch.setattr(trainer_main.os, "_exit", exits.append)
+    trainer_main.entry()
+    assert exits == [trainer_main.EXIT_CRASH] and trainer_main.EXIT_CRASH != 0
+    assert "RuntimeError: Rollout worker child has failed" in capsys.readouterr().err
+
+
 def test_reaching_max_steps_is_finished_not_stopped(tmp_path, events):
     from lorafleet_trainer.main import run_until_stopped
 
