@@ -128,6 +128,10 @@ class RunLifecycle(TrainerCallback):
                 self.reason = LOW_DISK
         return self.reason
 
+    def stop_requested(self) -> bool:
+        """A stop reason is recorded (a signal, or a ceiling met): what a wait during start-up gives up on."""
+        return self.reason is not None
+
     # -- signals ---------------------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
         """From here on this callback decides; a signal held since the process started counts as the first."""

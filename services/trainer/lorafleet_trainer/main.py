@@ -113,7 +113,6 @@ def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_r
         return EXIT_PREFLIGHT
     if not dry_run:  # a stop from here on, or one held since the process started, ends the start with exit 0
         lifecycle.install_signal_handlers()
-    stopping = lambda: lifecycle.reason is not None  # noqa: E731
     cuda = plan.device == "cuda"
     main_rank = context.rank == 0  # the one process that talks to the fleet
     try:  # before anything touches the fleet: a forced kernel that cannot run here is a config error
@@ -132,7 +131,8 @@ def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_r
             log_event(log, "task_ready", **task.summary())
     try:
         replicas = settings.trainer_replicas or (
-            1 if dry_run or not main_rank else asyncio.run(fleet_size(settings, run_key=run_key, stopping=stopping))
+            1 if dry_run or not main_rank
+            else asyncio.run(fleet_size(settings, run_key=run_key, stopping=lifecycle.stop_requested))
         )
     except StopRequested:
         stopped_before_training(lifecycle, None)
@@ -167,7 +167,8 @@ def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_r
     swept: list[str] = []
     try:
         if main_rank:
-            swept = asyncio.run(prepare_fleet(settings, configs.lora, run_key=run_key, stopping=stopping))
+            swept = asyncio.run(prepare_fleet(settings, configs.lora, run_key=run_key,
+                                              stopping=lifecycle.stop_requested))
     except StopRequested:
         stopped_before_training(lifecycle, checkpoint.path if checkpoint else None)
         return 0
@@ -300,7 +301,7 @@ def run_until_stopped(trainer: Any, lifecycle: RunLifecycle, resume_from: Path |
 
 def stopped_before_training(lifecycle: RunLifecycle, resume_from: Path | None) -> bool:
     """True (and the last line logged) when a stop came before the first step: nothing to train or save."""
-    if lifecycle.reason is None:
+    if not lifecycle.stop_requested():
         return False
     log_event(log, "stopped", reason=lifecycle.reason, step=None, checkpoint=resume_from)
     return True
