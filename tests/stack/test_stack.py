@@ -388,15 +388,9 @@ def test_every_replica_gives_identical_greedy_tokens_and_logprobs(stack: Stack) 
             reference["logprobs"]["token_logprobs"], abs=LOGPROB_ABS), f"{name} and {first} disagree on logprobs"
 
 
-def container_logs(stack: Stack, container: str) -> str:
-    result = stack.docker("logs", container)
-    return result.stdout + result.stderr
-
-
 def before_its_restart(stack: Stack, state: dict[str, Any]) -> str:
     """How a restarted container's previous process ended: the last lines it logged before the current one started."""
-    result = stack.docker("logs", "--until", state["State"]["StartedAt"], "--tail", "40", state["Id"], check=False)
-    return result.stdout + result.stderr
+    return stack.logs(state["Id"], "--until", state["State"]["StartedAt"], "--tail", "40", check=False)
 
 
 def started_at(stack: Stack, container: str) -> float:
@@ -505,7 +499,7 @@ def test_two_runs_train_through_the_proxy_killed_and_a_minute_without_a_fleet(st
 
         stack.docker("stop", "--time", "300", second, timeout_s=400)  # parked: its adapters stay served
         assert stack.inspect(second)["State"]["ExitCode"] == 0, stack.inspect(second)["State"]
-        logs = {run: container_logs(stack, state()["Id"]) for run, state in containers.items()}
+        logs = {run: stack.logs(state()["Id"]) for run, state in containers.items()}
     finally:
         stack.docker("rm", "--force", second, check=False)
     for run in containers:

@@ -135,6 +135,12 @@ class Stack:
         rows = json.loads(out) if out.startswith("[") else [json.loads(line) for line in out.splitlines() if line]
         return sorted(rows, key=lambda row: row["Name"])
 
+    def logs(self, container: str, *options: str, check: bool = True, timeout_s: float = 300) -> str:
+        """`docker logs <options> <container>`: what it printed, stdout and stderr (a restarted container's earlier
+        processes included)."""
+        result = self.docker("logs", *options, container, check=check, timeout_s=timeout_s)
+        return result.stdout + result.stderr
+
     def inspect(self, container: str) -> dict[str, Any]:
         return json.loads(self.docker("inspect", container).stdout)[0]
 
@@ -169,8 +175,8 @@ class Stack:
             for container in ids:
                 state = self.docker("inspect", "--format", "{{.Name}} restarts={{.RestartCount}} {{json .State}}",
                                     container, check=False)
-                logs = self.docker("logs", "--timestamps", container, check=False, timeout_s=120)
-                out.write(f"===== {state.stdout.strip() or container}\n{logs.stdout}{logs.stderr}\n")
+                logs = self.logs(container, "--timestamps", check=False, timeout_s=120)
+                out.write(f"===== {state.stdout.strip() or container}\n{logs}\n")
         return path
 
     def remove(self) -> subprocess.CompletedProcess[str]:
