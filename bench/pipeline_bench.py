@@ -26,6 +26,9 @@ headline: proxy-1's steps per hour over trl's, and the proxy's share of the diff
 
     .venv/bin/python bench/pipeline_bench.py --out bench/results/bench-pipeline.json [--replicas 2 --steps 20 \
         --repeats 2 --shape tiny]
+
+`--shape reference` runs on one GPU (gpu_fleet.layout: the replicas and the trainer share the card), with only the
+arms named (`--arms`), extra settings (`--setting KEY=VALUE`); bench/gpu_bench.py runs it so.
 """
 
 from __future__ import annotations
@@ -44,16 +47,21 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from gpu_fleet import DEVICES, layout, running, unavailable
 from hotpath_bench import cpu_s, reset_prefix_caches, started
 from lorafleet.vllm_api import VLLMClient, metric_total
-from lorafleet_ops.docsite.record import RECORD_KEY, gpus, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record
 from lorafleet_ops.processes import Service, proxy_service, replica_service, trainer_service
+from trainer_shape import build_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 0.98  # proxy-1's optimizer steps per hour, as a fraction of TRL alone's
 COMPLETIONS = "vllm:request_success_total"
 RUN = "bench"
 WARMUP_STEPS = 4
+# Of the card, where the trainer shares one GPU with the replica: the reference step peaks near 60 GiB without
+# gradient checkpointing (bench-trainer), so the replica gets the rest (placement's budget less this).
+TRAINER_RESERVE = 0.7
 STALL_S = 600.0  # an arm with no new optimizer step for this long has failed (its start included)
 # Per-step times the trainer logs (TRL's names): where a step's time goes.
 STEP_TIMES = ("perf/step_s", "perf/fwd_bwd_s", "perf/rollout_wait_s", "perf/weight_sync_s")
@@ -74,9 +82,10 @@ SHAPES = {
     # The offline tiny model on the `tiny` task with its own defaults (32 samples of 4 generated tokens per step, a
     # sync every step): what 2 CPU cores train in minutes.
     "tiny": Shape("tiny", {"TRAINER_TASK": "tiny", "MAX_MODEL_LEN": "512"}, {"VLLM_DTYPE": "float32"}, gpu=False),
-    # The published run's shape: the settings' defaults (Qwen2.5-Math-1.5B, 16,384-token micro-batches, 6 per step)
-    # on the math task, replicas on GPUs.
-    "reference": Shape("reference", {"TRAINER_TASK": "math"}, {"REPLICA_DEVICE": "cuda"}, gpu=True),
+    # The published run's shape: the settings' defaults (16,384-token micro-batches, 6 per step, the fast step) on
+    # the math task, with Qwen2.5-Math-1.5B's architecture in random weights and offline problems (--workload,
+    # trainer_shape.build_workload), the replicas and the trainer sharing one GPU (gpu_fleet.layout).
+    "reference": Shape("reference", {"TRAINER_TASK": "math"}, {}, gpu=True),
 }
 
 
@@ -106,6 +115,15 @@ def arms_for(replicas: int, lorafleet_train: bool = True) -> list[Arm]:
         arms.append(Arm(f"proxy-{replicas}", proxy=True, replicas=replicas))
     arms.append(Arm("proxy-1-broadcast", proxy=True, replicas=1, sync_pause="broadcast"))
     return arms + ([Arm("lorafleet-1", proxy=True, replicas=1, lorafleet_train=True)] if lorafleet_train else [])
+
+
+def pick_arms(arms: list[Arm], names: list[str]) -> list[Arm]:
+    """The arms named, in the order named (the first runs first); all of them where none is named."""
+    known = {arm.name: arm for arm in arms}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"unknown arm(s) {unknown}; known: {', '.join(known)}")
+    return [known[name] for name in names] if names else arms
 
 
 def arm_order(arms: list[Arm], repeats: int) -> list[tuple[int, Arm]]:
@@ -314,28 +332,33 @@ def trl_alone() -> int:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = SHAPES[args.shape]
-    if shape.gpu and not gpus():
-        raise SystemExit(f"pipeline_bench: --shape {shape.name} needs a CUDA GPU and this machine has none "
-                         "(--shape tiny runs on CPU)")
-    arms = arms_for(args.replicas, args.lorafleet_train)
+    device = args.device or ("gpu" if shape.gpu else "cpu")
+    reason = unavailable() if device == "gpu" else None
+    if reason:
+        raise SystemExit(f"pipeline_bench: --device gpu: {reason}")
+    arms = pick_arms(arms_for(args.replicas, args.lorafleet_train), args.arms)
     order = arm_order(arms, args.repeats)
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
-    settings = {**shape.settings, "LOG_LEVEL": "WARNING", "SEED": str(args.seed)}
+    fleet = layout(device, args.replicas, eager=not args.cuda_graphs, trainer_reserve=TRAINER_RESERVE)
+    settings = {**shape.settings, "LOG_LEVEL": "WARNING", "SEED": str(args.seed), **fleet.trainer_env,
+                **dict(item.split("=", 1) for item in args.setting)}
     if shape.name == "tiny":
         from lorafleet_ops.tiny_model import make_tiny_model
 
         settings["BASE_MODEL"] = str(make_tiny_model(work / "tiny"))
-    replica_env = {**settings, **shape.replica_settings, "ADAPTER_ROOT": str(work / "replicas")}
-    if not shape.gpu:  # one core each, shared once every core has one (the demo's layout)
-        replica_env["VLLM_CPU_SETS"] = ";".join(str(i % 2) if i < 2 else "0-1" for i in range(args.replicas))
+    else:  # a small CPU smoke of the reference path builds the tiny shape
+        workload = build_workload((args.workload or work / "workload").resolve(), tiny=device == "cpu")
+        settings.update(BASE_MODEL=workload["model_dir"], DATASET_PATH=workload["dataset"])
+    replica_env = {**settings, **shape.replica_settings, **fleet.replica_env, "ADAPTER_ROOT": str(work / "replicas")}
     replicas = [replica_service(f"replica-{i + 1}", replica_env, work / "logs") for i in range(args.replicas)]
     runs: list[ArmRun] = []
-    print(f"==> {args.replicas} replicas starting; logs in {work / 'logs'}", flush=True)
-    with started(replicas, timeout_s=300):
-        # Unmeasured: vLLM's first batches on CPU (base and LoRA) compile for seconds on every replica.
-        warm = max(arms, key=lambda arm: (arm.replicas, arm.proxy))
-        print(f"==> warm-up: {warm.name}, {WARMUP_STEPS} steps", flush=True)
-        warmup = run_arm(warm, -1, replicas, settings, WARMUP_STEPS, work)
+    warmup: ArmRun | None = None
+    print(f"==> {args.replicas} replicas starting on {device}; logs in {work / 'logs'}", flush=True)
+    with running(replicas, fleet.wave, timeout_s=600):
+        if args.warmup_steps:  # unmeasured: vLLM's first batches on CPU (base and LoRA) compile for seconds
+            warm = max(arms, key=lambda arm: (arm.replicas, arm.proxy))
+            print(f"==> warm-up: {warm.name}, {args.warmup_steps} steps", flush=True)
+            warmup = run_arm(warm, -1, replicas, settings, args.warmup_steps, work)
         for round_, arm in order:
             print(f"==> round {round_ + 1}/{args.repeats}: {arm.name}", flush=True)
             done = run_arm(arm, round_, replicas, settings, args.steps, work)
@@ -349,11 +372,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         RECORD_KEY: run_record(),
         "shape": {"name": shape.name, **shape.settings, "steps": args.steps, **per_step(runs)},
         "parameters": {"replicas": args.replicas, "steps": args.steps, "repeats": args.repeats, "seed": args.seed,
-                       "lorafleet_train": args.lorafleet_train, "proxy_settings": PROXY_SETTINGS},
+                       "lorafleet_train": args.lorafleet_train, "proxy_settings": PROXY_SETTINGS,
+                       "device": device, "warmup_steps": args.warmup_steps, "settings": args.setting,
+                       "replica_settings": fleet.notes},
         "order": [f"{round_}:{arm.name}" for round_, arm in order],
         "arms": summaries,
         "runs": [{**asdict(run), "steps_per_hour": round(3600 * run.steps / run.train_s, 1)} for run in runs],
-        "warmup": asdict(warmup),
+        "warmup": asdict(warmup) if warmup else None,
         "headline": headline(summaries),
     }
 
@@ -374,6 +399,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lorafleet-train", action=argparse.BooleanOptionalAction, default=True,
                         help="the lorafleet-1 arm: lorafleet-train itself through the proxy")
+    parser.add_argument("--device", choices=DEVICES, help="where the replicas and trainer run (default: the shape's)")
+    parser.add_argument("--workload", type=Path, help="reference shape: the folder its model and problems are built "
+                        "in, or were (trainer_shape.build_workload; default: a temporary one)")
+    parser.add_argument("--arms", type=lambda text: text.split(","), default=[],
+                        help="only these arms, in this order, comma-separated (default: all; needs trl and proxy-1)")
+    parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="unmeasured steps first (0: none)")
+    parser.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting every process gets (repeatable), e.g. MAX_COMPLETION_LENGTH=512")
+    parser.add_argument("--cuda-graphs", action="store_true", help="GPU replicas with CUDA graphs (default: eager)")
     parser.add_argument("--trl-alone", action="store_true", help=argparse.SUPPRESS)  # an arm's trainer (trl_alone)
     return parser.parse_args(argv)
 

@@ -42,6 +42,7 @@ from lorafleet_ops.docsite.record import RECORD_KEY, run_record
 from lorafleet_ops.processes import Service, proxy_service, replica_service, wait_healthy
 
 MODES = ("broadcast", "elide")
+PUBLISH_GOAL_S = 0.050  # publish to every replica serving: the fleet's p50 at most this above one replica's own load
 UPSTREAM_HEADER = "X-Proxy-Upstream"  # the replica the proxy routed a request to
 RUN = "bench"
 
@@ -304,6 +305,7 @@ def plot(phases: dict[str, dict[str, Any]], path: Path, bin_s: float) -> None:
 
 # --- orchestration ---------------------------------------------------------------------------------------
 def start_replicas(model: Path, root: Path, logs: Path, count: int, staleness: int, executor: str) -> list[Service]:
+    """The CPU benchmark's replicas: one core each, vLLM's CPU `executor`, LoRA rank 1."""
     env = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(root), "MAX_MODEL_LEN": "512", "VLLM_DTYPE": "float32",
            "VLLM_CPU_SETS": ";".join(str(i % 2) for i in range(count)), "MAX_STALENESS": str(staleness),
            "LORA_RANK": "1", "LOG_LEVEL": "WARNING", "VLLM_CPU_EXECUTOR": executor}
@@ -313,14 +315,15 @@ def start_replicas(model: Path, root: Path, logs: Path, count: int, staleness: i
 
 
 def run_mode(mode: str, replicas: list[Service], publisher: Publisher, work: Path, args: argparse.Namespace,
-             context: Any) -> dict[str, Any]:
+             context: Any, proxy_settings: dict[str, str] | None = None) -> dict[str, Any]:
     """One phase: a fresh proxy in `mode` (its own adapter root and ledger) in front of the same replicas."""
     root = work / "adapters" / mode
     shutil.rmtree(root, ignore_errors=True)
     lora_dir(root, RUN).mkdir(parents=True)
     proxy = proxy_service(f"proxy-{mode}", {"ADAPTER_ROOT": str(root), "PROXY_SYNC_PAUSE": mode,
                                             "PROXY_UPSTREAMS": ",".join(r.url for r in replicas),
-                                            "MAX_STALENESS": str(args.max_staleness), "LOG_LEVEL": "WARNING"},
+                                            "MAX_STALENESS": str(args.max_staleness), "LOG_LEVEL": "WARNING",
+                                            **(proxy_settings or {})},
                           work / "logs").start()
     version, stop = context.Value("i", 1), context.Event()
     records_file = work / f"stream-{mode}.json"
@@ -347,7 +350,7 @@ def run_mode(mode: str, replicas: list[Service], publisher: Publisher, work: Pat
         proxy.stop()
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/bench-sync.json"))
     parser.add_argument("--work", type=Path, default=Path("results/bench-sync-work"))
@@ -368,7 +371,11 @@ def main() -> int:
     parser.add_argument("--nice", type=int, default=-10,
                         help="priority of the bench and everything it starts (inherited), where permitted: on a shared "
                              "box other work would otherwise dominate the gaps measured")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
     try:
         os.setpriority(os.PRIO_PROCESS, 0, args.nice)
     except PermissionError:
@@ -407,15 +414,69 @@ def run_executor(executor: str, model: Path, work: Path, args: argparse.Namespac
     replicas = start_replicas(model, work / "adapters", work / "logs" / executor, args.replicas, args.max_staleness,
                               executor)
     try:
-        publisher = Publisher(model, rank=1)
-        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
-        for number in range(args.rounds):  # ABBA...: drift in the box's load hits both modes alike
-            for mode in MODES if number % 2 == 0 else MODES[::-1]:
-                runs[mode].append(run_mode(mode, replicas, publisher, work, args, context))
-        return runs
+        return run_modes(replicas, Publisher(model, rank=1), work, args, context)
     finally:
         for replica in replicas:
             replica.stop()
+
+
+def run_modes(replicas: list[Service], publisher: Publisher, work: Path, args: argparse.Namespace, context: Any,
+              proxy_settings: dict[str, str] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """`args.rounds` phases of every mode against started replicas, ABBA...: drift in the box's load hits both
+    modes alike."""
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    for number in range(args.rounds):
+        for mode in MODES if number % 2 == 0 else MODES[::-1]:
+            runs[mode].append(run_mode(mode, replicas, publisher, work, args, context, proxy_settings))
+    return runs
+
+
+# --- publish to every replica serving, against one replica's own load (bench/gpu_bench.py) -----------------------
+async def load_until_serving(load_url: str, probe_urls: list[str], publisher: Publisher, root: Path,
+                             number: int) -> float:
+    """Publish version `number`, ask `load_url` to load it, and return the seconds from the rename into place to
+    every one of `probe_urls` serving it; then unload it there and delete its folder."""
+    name = policy_name(number)
+    target = adapter_dir(root, RUN, name)
+    await asyncio.to_thread(publisher.publish, target)
+    published = time.monotonic()
+    probes = [asyncio.create_task(serving_at(url, name, published + 60)) for url in probe_urls]
+    async with httpx.AsyncClient(base_url=load_url, timeout=120) as client:
+        load = await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(target)})
+        if load.status_code != 200:
+            for probe in probes:
+                probe.cancel()
+            raise RuntimeError(f"load {name} at {load_url} failed: {load.status_code} {load.text}")
+        seconds = max(await asyncio.gather(*probes)) - published
+        (await client.post("/v1/unload_lora_adapter", json={"lora_name": name})).raise_for_status()
+    shutil.rmtree(target, ignore_errors=True)
+    return seconds
+
+
+def publish_latency(replicas: list[Service], model: Path, work: Path, rank: int, samples: int,
+                    proxy_settings: dict[str, str]) -> dict[str, Any]:
+    """At LoRA `rank`: `samples` loads asked of the first replica directly (the baseline), then `samples` published
+    through a fresh proxy to every replica, each timed from the rename into place to serving. The baseline runs
+    before the proxy starts, so the proxy never sees an adapter it did not load."""
+    publisher = Publisher(model, rank=rank)
+    root = work / "adapters" / f"publish-r{rank}"
+    shutil.rmtree(root, ignore_errors=True)
+    lora_dir(root, RUN).mkdir(parents=True)
+    urls = [replica.url for replica in replicas]
+    single = [asyncio.run(load_until_serving(urls[0], urls[:1], publisher, root, 1000 + i)) for i in range(samples)]
+    proxy = proxy_service(f"proxy-publish-r{rank}", {"ADAPTER_ROOT": str(root), "PROXY_UPSTREAMS": ",".join(urls),
+                                                     "LOG_LEVEL": "WARNING", **proxy_settings}, work / "logs").start()
+    try:
+        wait_healthy([proxy], timeout_s=60)
+        fleet = [asyncio.run(load_until_serving(proxy.url, urls, publisher, root, 1 + i)) for i in range(samples)]
+    finally:
+        proxy.stop()
+    p50 = {"fleet": pct(fleet, 0.5), "single": pct(single, 0.5)}
+    return {"rank": rank, "samples": samples,
+            "fleet_s": {"p50": p50["fleet"], "p95": pct(fleet, 0.95), "all": fleet},
+            "single_replica_s": {"p50": p50["single"], "p95": pct(single, 0.95), "all": single},
+            "fleet_minus_single_p50_ms": round(1000 * (p50["fleet"] - p50["single"]), 1),
+            "goal_met": p50["fleet"] - p50["single"] <= PUBLISH_GOAL_S}
 
 
 def table(modes: dict[str, dict[str, Any]]) -> str:

@@ -33,7 +33,6 @@ import contextlib
 import json
 import os
 import queue
-import random
 import shutil
 import statistics
 import subprocess
@@ -46,7 +45,7 @@ from typing import Any
 
 from lorafleet.ports import free_port
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record
-from trainer_shape import QWEN25_MATH_1_5B, TINY, qwen2_config  # a sibling: Python puts bench/ first on sys.path
+from trainer_shape import build_workload  # a sibling: Python puts bench/ first on sys.path
 
 HERE = Path(__file__).resolve().parent
 
@@ -115,37 +114,6 @@ TINY_EXTRA = [BenchConfig("tiny-trl-step", **TINY_BENCH)]
 
 
 # --- the workload: model, tokenizer, prompts --------------------------------------------------------------------
-
-
-def build_workload(work: Path, tiny: bool) -> dict[str, Any]:
-    """Model dir (config + random weights + the offline tokenizer) and a problem/solution JSONL, built once."""
-    import torch
-    from lorafleet_ops.tiny_model import WORDS, build_tokenizer
-    from transformers import GenerationConfig, Qwen2ForCausalLM
-
-    shape = TINY if tiny else QWEN25_MATH_1_5B
-    model_dir = work / "model"
-    tokenizer = build_tokenizer(seed=0)
-    if not (model_dir / "config.json").exists():
-        config = qwen2_config(shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-        model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                                   pad_token_id=tokenizer.pad_token_id)
-        model.save_pretrained(model_dir, safe_serialization=True)
-        tokenizer.save_pretrained(model_dir)
-        del model
-    dataset = work / "problems.jsonl"
-    if not dataset.exists():
-        rng = random.Random(0)
-        with dataset.open("w") as out:
-            for _ in range(2000):
-                problem = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 120)))
-                out.write(json.dumps({"problem": problem, "solution": f"\\boxed{{{rng.randint(0, 999)}}}"}) + "\n")
-    return {"model_dir": str(model_dir), "dataset": str(dataset), "token_ids": len(tokenizer),
-            "eos": tokenizer.eos_token_id, "model_vocab": shape["vocab_size"], "shape": shape}
 
 
 def start_standin(workload: dict[str, Any], tiny: bool) -> tuple[subprocess.Popen, str]:

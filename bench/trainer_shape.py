@@ -12,9 +12,13 @@ rows 95% full). `TINY` is a few-second CPU stand-in of the same shape family for
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import random
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 QWEN25_MATH_1_5B: dict[str, Any] = {
@@ -67,3 +71,55 @@ def qwen2_config(shape: dict[str, Any], *, eos_token_id: int, pad_token_id: int)
 
     fields = {key: value for key, value in shape.items() if key != "model_type"}
     return Qwen2Config(**fields, bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+
+
+def build_workload(work: Path, tiny: bool) -> dict[str, Any]:
+    """Model dir (config + random weights + the offline tokenizer) and a problem/solution JSONL, built once.
+
+    The weights are made on the GPU where there is one (seconds for 1.5B parameters, minutes on CPU). The tokenizer is
+    the tiny model's offline BPE (about a thousand ids): BPE training on its synthetic corpus cannot reach Qwen's
+    151,936 ids, so the model has more embedding rows than the tokenizer has ids, as Qwen2.5's own checkpoints do
+    (151,936 rows, 151,665 ids); the shape, and so the compute, is the real one's.
+    """
+    import torch
+    from lorafleet_ops.tiny_model import WORDS, build_tokenizer
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    shape = TINY if tiny else QWEN25_MATH_1_5B
+    model_dir = work / "model"
+    tokenizer = build_tokenizer(seed=0)
+    if not (model_dir / "config.json").exists():
+        config = qwen2_config(shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                                   pad_token_id=tokenizer.pad_token_id)
+        model.save_pretrained(model_dir, safe_serialization=True)
+        tokenizer.save_pretrained(model_dir)
+        del model
+    dataset = work / "problems.jsonl"
+    if not dataset.exists():
+        rng = random.Random(0)
+        with dataset.open("w") as out:
+            for _ in range(2000):
+                problem = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 120)))
+                out.write(json.dumps({"problem": problem, "solution": f"\\boxed{{{rng.randint(0, 999)}}}"}) + "\n")
+    return {"model_dir": str(model_dir), "dataset": str(dataset), "token_ids": len(tokenizer),
+            "eos": tokenizer.eos_token_id, "model_vocab": shape["vocab_size"], "shape": shape}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python bench/trainer_shape.py DIR [--tiny]`: build the workload alone (e.g. first thing on a lent GPU)."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("work", type=Path, help="folder the model (model/) and problems.jsonl are built in")
+    parser.add_argument("--tiny", action="store_true", help="the tiny CPU shape (TINY) instead of Qwen2.5-1.5B's")
+    args = parser.parse_args(argv)
+    workload = build_workload(args.work.resolve(), args.tiny)
+    print(json.dumps({key: value for key, value in workload.items() if key != "shape"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

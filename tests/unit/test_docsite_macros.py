@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from lorafleet_ops.docsite.macros import NOT_RECORDED, BenchFileError, Results, format_value, lookup
+from lorafleet_ops.docsite.macros import NOT_RECORDED, BenchFileError, Results, format_value, lookup, machine_text
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record
 
 RESULT = {
@@ -178,3 +178,30 @@ def test_a_page_naming_a_missing_json_fails_the_build(tmp_path: Path):
     built = _build(tmp_path, PAGE + '\n{{ bench_value("gone.json", "modes") }}\n')
     assert built.returncode != 0
     assert "gone.json does not exist" in built.stderr + built.stdout
+
+
+def test_a_page_asks_whether_a_result_exists_before_naming_it(results: Results, tmp_path: Path):
+    assert results.exists("x.json")
+    assert not results.exists("bench-gpu-sync.json")
+    with pytest.raises(BenchFileError, match="not a file under"):
+        results.exists("../x.json")
+
+
+def test_the_gpu_driver_shows_beside_the_cards():
+    machine = {"cores": 16, "gpus": ["NVIDIA H100 80GB HBM3"], "gpu_driver": "580.65.06"}
+    assert machine_text(machine) == "16 cores, 1 x NVIDIA H100 80GB HBM3, NVIDIA driver 580.65.06"
+
+
+GUARDED = """# GPU
+
+{% if bench_exists("x.json") %}Measured: {{ bench_value("x.json", "modes.affinity.rps", "{:,.0f}") }}.
+{% else %}Not yet measured.{% endif %}
+{% if bench_exists("gone.json") %}{{ bench_value("gone.json", "modes") }}{% else %}gone: not yet measured.{% endif %}
+"""
+
+
+def test_a_guarded_page_builds_with_and_without_its_json(tmp_path: Path):
+    built = _build(tmp_path, GUARDED)
+    assert built.returncode == 0, built.stderr
+    html = (tmp_path / "site" / "index.html").read_text()
+    assert "Measured: 3,946." in html and "gone: not yet measured." in html

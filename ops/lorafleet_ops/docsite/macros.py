@@ -20,6 +20,8 @@ The calls a page can make (Jinja, `{{ ... }}`):
   path holds a value that is not empty or false, when given). `columns` is a list of
   `[header, path, fmt, scale, none]` (the last three optional, as in bench_value), each path inside the row;
   `"_key"` is a mapping row's key, `"_index"` a list row's index, `"_value"` the row itself.
+- `bench_exists(file)`: whether the result file is there, for a page that says "not yet measured" until its
+  benchmark has run (`{% if bench_exists("bench-gpu-sync.json") %} ... {% else %} ... {% endif %}`).
 - `bench_plot(file, alt)`: the PNG `file` (under bench/results/) inlined as an image, so that the site needs
   no copy of it under docs/.
 
@@ -69,6 +71,16 @@ class Results:
             raise BenchFileError(f"benchmark result {self.folder / file} does not exist (run its benchmark, or fix "
                                  "the name on the page)")
         return resolved
+
+    def exists(self, file: str) -> bool:
+        """Whether `file` is a result under the folder (a name that leaves it is refused, as by `path`)."""
+        try:
+            self.path(file)
+        except BenchFileError as error:
+            if "does not exist" in str(error):
+                return False
+            raise
+        return True
 
     def load(self, file: str) -> Any:
         if file not in self._cache:
@@ -184,6 +196,8 @@ def machine_text(machine: Any, short: bool = False) -> str:
         parts.append(", ".join(f"{gpus.count(name)} x {name}" for name in dict.fromkeys(gpus)) if gpus else "no GPU")
     if short:
         return ", ".join(parts)
+    if machine.get("gpu_driver"):
+        parts.append(f"NVIDIA driver {machine['gpu_driver']}")
     if machine.get("kernel"):
         parts.append(machine["kernel"])
     if machine.get("load_average_1m") is not None:
@@ -208,7 +222,7 @@ def define_env(env: Any) -> None:
     results = Results(Path(env.conf["docs_dir"]).resolve().parent / RESULTS)
     calls: dict[str, Callable[..., str]] = {"bench_meta": results.meta, "bench_value": results.value,
                                             "bench_ratio": results.ratio, "bench_table": results.table,
-                                            "bench_plot": results.plot}
+                                            "bench_plot": results.plot, "bench_exists": results.exists}
     for name, call in calls.items():
         env.macro(call, name)
 

