@@ -13,6 +13,7 @@ and /cohere/* with it; its dev routes (/pause, /collective_rpc, ...) stay open (
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ def build_launch(settings: ReplicaSettings, device: str | None) -> Launch:
         if device is not None:
             env["CUDA_VISIBLE_DEVICES"] = device
         argv += ["--gpu-memory-utilization", str(settings.vllm_gpu_memory_utilization)]
+        defaults = sampler_defaults()
     else:
         if device is None:
             raise ValueError("CPU mode needs a core set to bind vLLM's threads to")
@@ -97,6 +99,18 @@ def build_launch(settings: ReplicaSettings, device: str | None) -> Launch:
             defaults = omp_binding(device)
     argv += shlex.split(settings.vllm_extra_args)
     return Launch(argv=argv, env=env, env_defaults=defaults)
+
+
+def sampler_defaults() -> dict[str, str]:
+    """FlashInfer's top-k/top-p sampler off where FlashInfer is not installed (a GPU host staged without it,
+    docs/guides/gpu-processes.md#staging-onto-an-offline-gpu-host).
+
+    CUDA vLLM uses that sampler unless VLLM_USE_FLASHINFER_SAMPLER=0, and importing it without FlashInfer fails
+    (vllm/v1/sample/ops/topk_topp_sampler.py); its own sampler serves instead. An operator's setting wins.
+    """
+    if importlib.util.find_spec("flashinfer") is None:
+        return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    return {}
 
 
 def core_ids(core_set: str) -> list[int]:
