@@ -3,15 +3,16 @@
 A reference run trains STEPS steps of the tiny task uninterrupted. A second run of the same seed is SIGKILLed three
 times, each at a point seen from outside (no test hook in the trainer): while it waits for generation (the sync
 after a step has reached the fleet; the trainer's pid alone, as `kill -9` in process mode), during a sync (the moment
-its next adapter folder appears; the whole process group, as `docker kill`), and during a checkpoint write (frozen
-with SIGSTOP the moment checkpoint-4 appears, its completeness marker still there, then the group killed). Each
-restart resumes the newest complete checkpoint; the fourth start runs to STEPS.
+its adapter folder after the start's second step appears, before TRL deletes the oldest; the whole process group, as
+`docker kill`), and during a checkpoint write (frozen with SIGSTOP the moment checkpoint-4 appears, its completeness
+marker still there, then the group killed). Each restart resumes the newest complete checkpoint; the fourth start
+runs to STEPS, and a fifth with the same settings finds the run complete and trains nothing.
 
 From prompts.jsonl (the groups each step consumed, as positions in the prompt stream): the steps the final weights
 went through consumed every group below the stream's head once, none twice, like the reference; each line names the
 four whole groups its step trained (not the micro-batch accelerate fetched ahead); the lines a kill rolled back are
 within the logged bound; and adapter versions only ever go up, past every name published before a
-kill. The half-written checkpoint is passed over, never resumed from.
+kill, and end as TRL's window of MAX_STALENESS + 2. The half-written checkpoint is passed over, never resumed from.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ pytestmark = pytest.mark.integration
 REF, RUN = "resume-ref", "resume-killed"
 STEPS = 6
 SAVE_STEPS = 2
+MAX_STALENESS = 4  # the trainer's default: TRL keeps MAX_STALENESS + 2 published versions
 SAMPLES_PER_STEP, GENERATIONS = 32, 8  # the tiny task's train_batch_size and num_generations
 WAIT_S = 240  # one trainer start (~20-40 s here) plus its steps, on a busy 2-core box
 T = TypeVar("T")
@@ -108,11 +110,15 @@ def _kill_while_generating(trainer: Service, root: Path, proxy: Service) -> None
 
 
 def _kill_during_sync(trainer: Service, root: Path, seen: int) -> None:
-    """The moment the adapter after this start's first step appears on disk (written, not yet loaded)."""
-    first = _wait(_new_lines(root, seen), trainer, "a step of the second start")[0]
-    target = lora_dir(root, RUN) / policy_name(first["policy_version"] + 1)
+    """The moment the adapter after this start's second step appears on disk (written, not yet loaded): before TRL
+    deletes the folder MAX_STALENESS + 2 versions back, which must exist then (the kill leaves it behind)."""
+    second = _wait(lambda: (lines[1] if len(lines := _records(root, RUN)[seen:]) > 1 else None), trainer,
+                   "two steps of the second start")
+    version = second["policy_version"] + 1
+    target = lora_dir(root, RUN) / policy_name(version)
     _wait(lambda: True if target.exists() else None, trainer, f"{target.name} written", poll_s=0.002)
     trainer.kill()
+    assert version - MAX_STALENESS - 2 in _published(root), f"{target.name}'s sync had nothing to delete"
 
 
 def _kill_during_checkpoint_write(trainer: Service, root: Path, seen: int) -> Path:
@@ -149,7 +155,7 @@ def killed(reference, fleet, root, start_trainer) -> dict[str, Any]:
     half_written = _kill_during_checkpoint_write(third, root, seen=len(_records(root, RUN)))
     published.append(max(_published(root)))
     log = _finish(_start(start_trainer, "resume-4", root, proxy, RUN))
-    return {"published": published, "half_written": half_written, "log": log,
+    return {"published": published, "half_written": half_written, "log": log, "left": _published(root),
             "logs": [start.log_path.read_text() for start in (first, second, third)]}
 
 
@@ -245,3 +251,32 @@ def test_a_stop_while_the_trainer_starts_exits_0_before_it_touches_the_fleet(sta
     assert code == 0, log[-3000:]
     assert "event=stop_requested signal=SIGTERM" in log and "event=stopped reason=signal step=None" in log, log[-3000:]
     assert "event=preflight_passed" not in log and "event=refused" not in log, log[-3000:]
+
+
+@pytest.mark.timeout(6 * WAIT_S)
+def test_the_published_versions_stay_bounded_after_the_kills(killed):
+    """The kill during a sync came before TRL deleted the version MAX_STALENESS + 2 back; no later sync names it."""
+    left = killed["left"]
+    assert left == list(range(left[-1] - MAX_STALENESS - 1, left[-1] + 1)), f"not TRL's window: {left}"
+
+
+@pytest.mark.timeout(7 * WAIT_S)
+def test_a_start_after_the_run_reached_max_steps_trains_nothing_and_exits_0(killed, fleet, root, start_trainer):
+    """As if the last start had been killed after checkpoint-<MAX_STEPS> was complete but before it exited:
+    MAX_STEPS is the run's total across starts, so the same settings again train no step past it, publish nothing
+    and leave the run's adapters served."""
+    _, proxy = fleet
+    records, served = _records(root, RUN), _served(proxy)
+    final = run_dir(root, RUN) / "final-adapter" / "adapter_model.safetensors"
+    exported = final.read_bytes()
+    trainer = _start(start_trainer, "resume-5", root, proxy, RUN)
+    assert trainer.process is not None
+    code = trainer.process.wait(timeout=WAIT_S)
+    log = trainer.log_path.read_text()
+    assert code == 0, log[-4000:]
+    assert f"event=finished steps={STEPS}" in log and "already_complete=True" in log, log[-4000:]
+    assert "event=train_step" not in log and "event=swept_stale_policies" not in log, log[-4000:]
+    assert _records(root, RUN) == records
+    assert _published(root) == killed["left"]
+    assert not (run_dir(root, RUN) / f"checkpoint-{STEPS + 1}").exists()
+    assert _served(proxy) == served and final.read_bytes() == exported

@@ -27,15 +27,16 @@ from multiprocessing.context import SpawnContext, SpawnProcess
 from pathlib import Path
 from typing import Any
 
-from lorafleet.adapters import run_dir
+from lorafleet.adapters import LORA_DIR_NAME, run_dir
 from lorafleet.logs import log_event
+from lorafleet.runs import run_slots
 from lorafleet.settings import TrainerSettings
 from transformers import TrainerCallback
 
 from lorafleet_trainer import early_stop
 from lorafleet_trainer.early_stop import STOP_SIGNALS
 from lorafleet_trainer.ranks import die_with_parent
-from lorafleet_trainer.run_state import checkpoint_complete, prune_checkpoints
+from lorafleet_trainer.run_state import checkpoint_complete, prune_checkpoints, prune_versions
 
 log = logging.getLogger(__name__)
 GB = 1024**3
@@ -68,6 +69,7 @@ class Limits:
     min_free_bytes: int  # 0 = no guard
     volume: Path
     keep_checkpoints: int = 0  # newest checkpoints kept after each save; 0 = all
+    keep_versions: int = 0  # published versions kept in .vllm_lora (TRL's MAX_STALENESS + 2); 0 = all
 
     @classmethod
     def from_settings(cls, settings: TrainerSettings) -> Limits:
@@ -78,6 +80,7 @@ class Limits:
             # The run's own folder: in the stack it is the trainer's only writable mount of the store.
             volume=run_dir(settings.adapter_root, settings.run_name),
             keep_checkpoints=settings.checkpoint_keep,
+            keep_versions=run_slots(settings.max_staleness),
         )
 
 
@@ -160,6 +163,8 @@ class RunLifecycle(TrainerCallback):
         state.save_steps = args.save_steps
 
     def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        if self.limits.keep_versions and state.is_world_process_zero:
+            prune_versions(Path(args.output_dir) / LORA_DIR_NAME, self.limits.keep_versions)
         if self.agree(self.due(state.global_step) is not None):
             self.reason = self.reason or OTHER_RANK
             control.should_save = True

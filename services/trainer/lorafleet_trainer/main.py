@@ -2,7 +2,8 @@
 
 Settings (TrainerSettings: the common and trainer sections) come from the environment (and .env) like every lorafleet
 service's; each trainer setting also has a flag (`--learning-rate 1e-4` = LEARNING_RATE=1e-4, flags win). The task's
-defaults fill only what nobody set. Order of work: settings -> the task, built and checked (tasks/) -> fleet size ->
+defaults fill only what nobody set. Order of work: settings -> a run whose newest checkpoint reached MAX_STEPS ends
+here (already_complete) -> the task, built and checked (tasks/) -> fleet size ->
 configs (printed) -> preflight (refuse what cannot serve adapter-only sync, or too little free disk) -> sweep
 stale policy names ->
 train (resuming from the newest complete checkpoint: weights, optimizer, RNG, the prompt stream's position and the
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from lorafleet_trainer.config import TrainerConfigs
     from lorafleet_trainer.fast_step.options import StepOptions
     from lorafleet_trainer.lifecycle import RunLifecycle
+    from lorafleet_trainer.run_state import Checkpoint
     from lorafleet_trainer.tasks.spec import Task
 
 log = logging.getLogger("lorafleet_trainer")
@@ -115,6 +117,9 @@ def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_r
         lifecycle.install_signal_handlers()
     cuda = plan.device == "cuda"
     main_rank = context.rank == 0  # the one process that talks to the fleet
+    checkpoint = newest_checkpoint(settings.run_dir) if settings.trainer_resume else None
+    if not dry_run and already_complete(settings, checkpoint, main_rank):
+        return 0
     try:  # before anything touches the fleet: a forced kernel that cannot run here is a config error
         attention = choose_backend(settings.trainer_attention, cuda=cuda)
     except UnsupportedAttention as exc:
@@ -142,7 +147,6 @@ def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_r
         return EXIT_PREFLIGHT
     task_settings = task.settings if task else read_task_settings(settings.trainer_task)[0]
     configs = build_configs(settings, replicas=replicas, ranks=plan, trl_args=task_settings.trl_args)
-    checkpoint = newest_checkpoint(settings.run_dir) if settings.trainer_resume else None
     if checkpoint:
         check_resumable(checkpoint, fsdp2=plan.sharding == "fsdp2")
     runtime = {
@@ -297,6 +301,24 @@ def run_until_stopped(trainer: Any, lifecycle: RunLifecycle, resume_from: Path |
             resume="start again with the same RUN_NAME",
         )
     return 0
+
+
+def already_complete(settings: TrainerSettings, checkpoint: Checkpoint | None, main_rank: bool) -> bool:
+    """True (and the last line logged) when the newest checkpoint already reached MAX_STEPS, the run's total across
+    starts: a trainer killed after its last checkpoint but before it exited, then started again.
+
+    Nothing is trained, published or unloaded (the fleet is not asked anything, so the run's adapters stay served);
+    `final-adapter/` gets the checkpoint's weights where the kill came before it was exported.
+    """
+    from lorafleet_trainer.run_state import final_adapter_from
+
+    if checkpoint is None or checkpoint.step < settings.max_steps:
+        return False
+    if main_rank:
+        log_event(log, "finished", steps=checkpoint.step, model_version=checkpoint.model_version,
+                  adapter=final_adapter_from(checkpoint, settings.run_dir), already_complete=True,
+                  reason=f"{checkpoint.path.name} reached MAX_STEPS={settings.max_steps}: nothing left to train")
+    return True
 
 
 def stopped_before_training(lifecycle: RunLifecycle, resume_from: Path | None) -> bool:

@@ -1,4 +1,5 @@
-"""The run folder: checkpoint discovery for resume, metrics.jsonl, and the final adapter export."""
+"""The run folder: checkpoint discovery for resume, retention (checkpoints, published versions), metrics.jsonl, and
+the final adapter export."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lorafleet.adapters import policy_version
 from lorafleet.logs import log_event
 from lorafleet.settings import ConfigError
 from transformers import TrainerCallback
@@ -127,6 +129,30 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
     return doomed
 
 
+def prune_versions(lora_dir: Path, keep: int) -> list[Path]:
+    """Delete the published `trl-policy-v*` folders more than `keep` - 1 versions behind the newest one.
+
+    TRL keeps MAX_STALENESS + 2 versions by deleting one folder per sync, the one `keep` versions behind the version
+    it publishes; a start killed between its publish and that delete leaves that folder behind for good, since no
+    later sync names it again. Versions that far behind are unloaded (by TRL, or by the start-up sweep) and no
+    rollout may use them any more (MAX_STALENESS), so the window is the same as TRL's, counted from what is on disk.
+    """
+    found = sorted(
+        (version, entry) for entry in (lora_dir.iterdir() if lora_dir.is_dir() else ())
+        if (version := policy_version(entry.name)) and entry.is_dir()
+    )
+    if not found:
+        return []
+    oldest_kept = found[-1][0] - keep + 1
+    doomed = [entry for version, entry in found if version < oldest_kept]
+    for entry in doomed:
+        shutil.rmtree(entry, ignore_errors=True)
+    if doomed:
+        log_event(log, "versions_pruned", deleted=",".join(entry.name for entry in doomed), kept_from=oldest_kept,
+                  reason="left behind by a start stopped between a publish and TRL's delete")
+    return doomed
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -181,8 +207,13 @@ def export_final_adapter(trainer: Any, run_dir: Path) -> Path | None:
     save_lora_adapter(model, accelerator, model.active_adapters[0], str(staged))
     if not accelerator.is_main_process:
         return None
+    return _replace_whole(staged, target)
+
+
+def _replace_whole(staged: Path, target: Path) -> Path:
+    """Put the folder `staged` at `target`, replacing an older one whole (never half of each)."""
     if target.exists():
-        old = run_dir / f".{FINAL_ADAPTER}.old"
+        old = target.parent / f".{target.name}.old"
         shutil.rmtree(old, ignore_errors=True)
         os.rename(target, old)
         os.rename(staged, target)
@@ -190,3 +221,33 @@ def export_final_adapter(trainer: Any, run_dir: Path) -> Path | None:
     else:
         os.rename(staged, target)
     return target
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # PEFT's, in a full checkpoint and an export
+
+
+def final_adapter_from(checkpoint: Checkpoint, run_dir: Path) -> Path | None:
+    """<run>/final-adapter with `checkpoint`'s adapter weights, for a start that finds the run already finished.
+
+    A kill after the last checkpoint but before the export leaves final-adapter/ missing, or an earlier start's. Kept
+    as it is when it holds the checkpoint's tensors already; None when it is absent and the checkpoint holds no full
+    adapter to copy (FSDP2 writes a sharded state).
+    """
+    from safetensors.torch import load_file
+
+    target = run_dir / FINAL_ADAPTER
+    weights = ADAPTER_FILES[1]
+    if not all((checkpoint.path / name).is_file() for name in ADAPTER_FILES):
+        return target if target.is_dir() else None
+    if (target / weights).is_file():
+        kept, wanted = load_file(target / weights), load_file(checkpoint.path / weights)
+        if kept.keys() == wanted.keys() and all(kept[key].equal(wanted[key]) for key in kept):
+            return target
+    staged = run_dir / f".{FINAL_ADAPTER}.new"
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir()
+    for name in ADAPTER_FILES:
+        shutil.copy2(checkpoint.path / name, staged / name)
+    log_event(log, "final_adapter_restored", checkpoint=checkpoint.path, adapter=target,
+              reason="the start that reached the checkpoint stopped before it exported final-adapter")
+    return _replace_whole(staged, target)

@@ -307,3 +307,49 @@ def test_reaching_max_steps_is_finished_not_stopped(tmp_path, events):
     assert run_until_stopped(trainer, life, None) == 0
     assert (tmp_path / "final-adapter").is_dir()
     assert "event=finished steps=2" in events[-1]
+
+
+def test_each_step_end_prunes_published_versions_to_trls_window(tmp_path):
+    """MAX_STALENESS + 2 versions, counted from the newest on disk: what a killed start left behind goes too."""
+    from lorafleet.settings import TrainerSettings, load_settings
+
+    limits = Limits.from_settings(load_settings(TrainerSettings, adapter_root=tmp_path, max_staleness=1))
+    assert limits.keep_versions == 3
+    lora = tmp_path / ".vllm_lora"
+    for version in (2, 5, 6, 7):
+        (lora / f"trl-policy-v{version}").mkdir(parents=True)
+    life = RunLifecycle(limits, clock=Clock(), disk=lambda _: 10 * GB)
+    control = SimpleNamespace(should_save=False, should_training_stop=False)
+    life.on_step_end(SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=1,
+                                                                                is_world_process_zero=True), control)
+    assert sorted(path.name for path in lora.iterdir()) == ["trl-policy-v5", "trl-policy-v6", "trl-policy-v7"]
+
+
+def test_a_start_that_finds_the_run_at_max_steps_trains_nothing_and_exits_0(tmp_path, monkeypatch, capsys):
+    """Killed after checkpoint-<MAX_STEPS> was complete but before it exited, then started again with the same
+    settings: MAX_STEPS is the run's total across starts, so nothing is left to train. The fleet is never asked
+    (its URL is a closed port), nothing is published, the final adapter is the checkpoint's."""
+    import json
+
+    import torch
+    from lorafleet_trainer import main
+    from safetensors.torch import save_file
+
+    run = tmp_path / "runs" / "done"
+    checkpoint = run / "checkpoint-3"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    (checkpoint / "rollout_state.json").write_text(json.dumps({"prompt_index": 12, "model_version": 4}))
+    (checkpoint / "adapter_config.json").write_text("{}")
+    save_file({"lora_A.weight": torch.ones(1, 2)}, str(checkpoint / "adapter_model.safetensors"))
+    env = {"ADAPTER_ROOT": str(tmp_path), "RUN_NAME": "done", "MAX_STEPS": "3", "TRAINER_TASK": "tiny",
+           "TRAINER_MIN_FREE_GB": "0", "TRAINER_VLLM_URL": "http://127.0.0.1:9", "BASE_MODEL": str(tmp_path / "none")}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("LORAFLEET_ENV_FILE", "")
+    assert main.main([]) == 0
+    finished = [line for line in capsys.readouterr().err.splitlines() if "event=finished" in line]
+    assert len(finished) == 1 and "steps=3 model_version=4" in finished[0] and "already_complete=True" in finished[0]
+    assert sorted(path.name for path in run.iterdir()) == ["checkpoint-3", "final-adapter"]  # no .vllm_lora
+    assert (run / "final-adapter" / "adapter_model.safetensors").read_bytes() == (
+        checkpoint / "adapter_model.safetensors").read_bytes()

@@ -1,4 +1,4 @@
-"""Checkpoint discovery for resume, metrics.jsonl, and the final adapter export."""
+"""Checkpoint discovery for resume, retention, metrics.jsonl, and the final adapter export."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from lorafleet_trainer.run_state import (
     MetricsJsonl,
     check_resumable,
     export_final_adapter,
+    final_adapter_from,
     newest_checkpoint,
     prune_checkpoints,
+    prune_versions,
 )
 
 
@@ -117,6 +119,69 @@ def test_keep_zero_or_a_missing_folder_prunes_nothing(tmp_path):
         _checkpoint(tmp_path, step)
     assert prune_checkpoints(tmp_path, keep=0) == [] and len(list(tmp_path.iterdir())) == 3
     assert prune_checkpoints(tmp_path / "missing", keep=1) == []
+
+
+def _versions(lora, *versions):
+    for version in versions:
+        (lora / f"trl-policy-v{version}").mkdir(parents=True)
+
+
+def test_published_versions_keep_trls_window_from_the_newest_and_an_orphan_goes(tmp_path):
+    """A start killed between its publish of v10 and TRL's delete of v4 (MAX_STALENESS=4: 6 kept) left v4 behind;
+    the next start's syncs delete v5, v6, ... but never name v4 again."""
+    lora = tmp_path / ".vllm_lora"
+    _versions(lora, 4, *range(6, 12))
+    (lora / ".trl-policy-v12.tmp").mkdir()  # TRL staging the next one
+    (lora / "notes").mkdir()
+    deleted = prune_versions(lora, keep=6)
+    assert [path.name for path in deleted] == ["trl-policy-v4"]
+    assert sorted(path.name for path in lora.iterdir()) == sorted(
+        [f"trl-policy-v{v}" for v in range(6, 12)] + [".trl-policy-v12.tmp", "notes"])
+    assert prune_versions(lora, keep=6) == []  # TRL's own window is left as it is
+    assert prune_versions(tmp_path / "missing", keep=6) == []
+
+
+def test_a_gap_in_the_numbering_prunes_by_version_not_by_count(tmp_path):
+    lora = tmp_path / ".vllm_lora"
+    _versions(lora, 3, 4, 9, 10)  # a resume published past names the fleet still held: v5..v8 never on disk here
+    assert sorted(path.name for path in prune_versions(lora, keep=6)) == ["trl-policy-v3", "trl-policy-v4"]
+
+
+def _adapter(folder, value):
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 1}))
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.full((1, 4), value)},
+              str(folder / "adapter_model.safetensors"))
+
+
+def test_a_finished_runs_final_adapter_is_restored_from_its_last_checkpoint_once(tmp_path):
+    """Killed after checkpoint-3 but before the export: final-adapter/ missing, or an earlier start's."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    checkpoint = _checkpoint(run, 3, version=4)
+    _adapter(checkpoint, 3.0)
+    _adapter(run / "final-adapter", 2.0)  # exported by an earlier start's ceiling, two steps back
+    found = newest_checkpoint(run)
+    target = final_adapter_from(found, run)
+    assert target == run / "final-adapter"
+    assert (load_file(str(target / "adapter_model.safetensors"))["base_model.model.lm_head.lora_A.weight"] == 3).all()
+    written = (target / "adapter_model.safetensors").stat().st_mtime_ns
+    os.utime(target / "adapter_model.safetensors", ns=(written - 10**9, written - 10**9))
+    assert final_adapter_from(found, run) == target  # the same tensors: kept as it is
+    assert (target / "adapter_model.safetensors").stat().st_mtime_ns == written - 10**9
+    assert sorted(path.name for path in run.iterdir()) == ["checkpoint-3", "final-adapter"]
+
+
+def test_a_sharded_checkpoint_leaves_the_final_adapter_as_it_is(tmp_path):
+    run = tmp_path / "run"
+    _checkpoint(run, 3)
+    assert final_adapter_from(newest_checkpoint(run), run) is None
+    (run / "final-adapter").mkdir()
+    assert final_adapter_from(newest_checkpoint(run), run) == run / "final-adapter"
 
 
 def test_a_checkpoint_resumes_only_under_the_sharding_that_can_load_it(tmp_path):
