@@ -192,8 +192,8 @@ bench-pipeline: setup ## The async loop through the proxy (1 and 2 replicas) vs 
 bench-gpu: $(if $(GPU_PYTHON),,setup) ## GPU: the four benchmarks on one GPU (~10 min) -> bench/results/bench-gpu-{sync,turns,pipeline}.json
 	$(or $(GPU_PYTHON),$(BIN)/python) bench/gpu_bench.py $(if $(PARTS),--parts $(PARTS))
 
-demo: $(if $(DEMO_GPU),gpu-check $(if $(GPU_PYTHON),,setup),setup) ## CPU demo: tiny model, 2 replicas, proxy, real trainer; report in results/demo/ (RUNS=2: two runs; TASK=file; GPU=1: on the GPUs)
-	$(if $(DEMO_GPU),$(or $(GPU_PYTHON),$(BIN)/python) -m lorafleet_ops.commands.cli,$(BIN)/lorafleet) demo --out results/demo$(if $(DEMO_GPU),-gpu)$(if $(RUNS),-runs --runs $(RUNS))$(if $(TASK),-$(basename $(notdir $(TASK))) --task $(TASK))$(if $(DEMO_GPU), --device gpu$(if $(GPUS), --gpus $(GPUS))$(if $(TRAINER_GPU), --trainer-gpu $(TRAINER_GPU)))
+demo: $(if $(DEMO_GPU),gpu-check $(if $(GPU_PYTHON),,setup),setup) ## CPU demo: tiny model, 2 replicas, proxy, real trainer; report in results/demo/ (RUNS=2: two runs; TASK=file; MODEL=smollm2-135m; GPU=1: on the GPUs)
+	$(if $(DEMO_GPU),$(or $(GPU_PYTHON),$(BIN)/python) -m lorafleet_ops.commands.cli,$(BIN)/lorafleet) demo --out results/demo$(if $(DEMO_GPU),-gpu)$(if $(RUNS),-runs --runs $(RUNS))$(if $(TASK),-$(basename $(notdir $(TASK))) --task $(TASK))$(if $(MODEL), --model $(MODEL))$(if $(DEMO_GPU), --device gpu$(if $(GPUS), --gpus $(GPUS))$(if $(TRAINER_GPU), --trainer-gpu $(TRAINER_GPU)))
 
 # Before the GPU path pulls, builds or sets up anything (HOST_CHECK above).
 host-check:

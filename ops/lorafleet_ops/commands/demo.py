@@ -1,6 +1,7 @@
 """`lorafleet demo`: the whole topology on CPU, for real, in a few minutes; `--device gpu` on the host's GPUs.
 
-Builds the offline tiny model, starts replicas through `lorafleet-replica` (CPU core sets, or with `--device gpu`
+Makes the model ready (the offline tiny model, or the task's: lorafleet_ops.base_model), starts replicas through
+`lorafleet-replica` (CPU core sets, or with `--device gpu`
 GPUs as lorafleet_ops.placement lays them out: one per GPU or several sharing one), the proxy in front
 of them and the real trainer on the `tiny` recipe; shows live progress; then writes a report
 (JSON and a PNG plot) whose every number comes from this run: the trainer's metrics.jsonl, the
@@ -30,6 +31,7 @@ from lorafleet.adapters import metrics_path, policy_version
 from lorafleet.runs import run_url
 from lorafleet.vllm_api import metric_total
 
+from lorafleet_ops import base_model
 from lorafleet_ops.commands.status import adapter_span, fmt, latest, read_metrics
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record
 from lorafleet_ops.placement import Placement, TrainerPolicy, detect_gpus, plan
@@ -56,6 +58,7 @@ class DemoOptions:
     device: Literal["cpu", "gpu"] = "cpu"
     gpus: tuple[int, ...] = ()  # --device gpu: the GPUs to use (empty: every GPU nvidia-smi lists)
     trainer_gpu: TrainerPolicy = "auto"  # --device gpu: the trainer on a GPU of its own or sharing one
+    model: str | None = None  # BASE_MODEL: tiny, a named model or a folder (None: the task's default, else tiny)
 
 
 TINY_DEMO_STEPS = 60
@@ -131,6 +134,7 @@ def replica_cache_stats(urls: list[str]) -> dict[str, Any]:
     return {"replicas": per_replica, "hit_rate": hits / queries if queries else None}
 
 
+EVAL_NONZERO = "eval/nonzero/"  # per reward function: the share of eval rows it scored (a format rate)
 TOOL_CALLS = "tools/call_frequency"  # TRL: tool calls per rollout, the window's mean
 TOOLS_GIVEN = "tools/loop_exhausted_frac"  # TRL logs it only when the task has tools
 EVAL_PASS = "eval/pass_at_1"
@@ -164,7 +168,9 @@ def run_report(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     if uses_tools(metrics):
         report["tool_calls_per_rollout"] = first_and_last(metrics, TOOL_CALLS)
     evals = [{"step": int(row["eval/step"]), "model_version": int(row["eval/model_version"]),
-              "pass_at_1": row[EVAL_PASS], "reward": row.get("eval/reward")} for row in metrics if EVAL_PASS in row]
+              "pass_at_1": row[EVAL_PASS], "reward": row.get("eval/reward"),
+              "nonzero": {key.removeprefix(EVAL_NONZERO): value for key, value in row.items()
+                          if key.startswith(EVAL_NONZERO)}} for row in metrics if EVAL_PASS in row]
     if evals:
         report["eval"] = evals
     return report
@@ -254,13 +260,17 @@ def sync_lines(sync: dict[str, Any]) -> list[str]:
 
 def plot_report(metrics: dict[str, list[dict[str, Any]]], path: Path, title: str = "tiny task",
                 device: str = "cpu") -> None:
-    """Reward and weight-sync latency per step, one line per run, one PNG."""
+    """Reward, importance ratio, the held-out eval (pass@1 and how often each reward function scored) and
+    weight-sync latency per step, one line per run, one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("reward", "reward")]
+    panels = [("reward", "reward"), ("ratio", "importance ratio")]
+    evaluated = any(EVAL_PASS in row for rows in metrics.values() for row in rows)
+    if evaluated:
+        panels.append((EVAL_PASS, "held-out eval"))
     if any(uses_tools(rows) for rows in metrics.values()):
         panels.append((TOOL_CALLS, "tool calls per rollout"))
     panels.append(("perf/weight_sync_s", "weight sync (s)"))
@@ -268,18 +278,16 @@ def plot_report(metrics: dict[str, list[dict[str, Any]]], path: Path, title: str
     top, bottom = axes[0], axes[-1]
     for axis, (key, label) in zip(axes, panels, strict=True):
         for run, rows in metrics.items():
+            if key == EVAL_PASS:
+                plot_eval(axis, rows, f" run {run}" if len(metrics) > 1 else "")
+                continue
             points = _series(rows, key)
             if points:
                 axis.plot(*zip(*points, strict=True), marker="o", markersize=3,
                           label=f"run {run}" if len(metrics) > 1 else "training")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
-    for run, rows in metrics.items():  # the eval passes next to the training reward: x = the step each started at
-        passes = [(int(row["eval/step"]), float(row[EVAL_PASS])) for row in rows if EVAL_PASS in row]
-        if passes:
-            top.plot(*zip(*passes, strict=True), marker="s", linestyle="--",
-                     label=f"eval pass@1{f' run {run}' if len(metrics) > 1 else ''}")
-    if len(metrics) > 1 or any(EVAL_PASS in row for rows in metrics.values() for row in rows):
+    if len(metrics) > 1:
         top.legend()
     bottom.set_xlabel("optimizer step")
     top.set_title(f"lorafleet demo: {title} on {device.upper()}" + (f", {len(metrics)} runs sharing the fleet"
@@ -287,6 +295,20 @@ def plot_report(metrics: dict[str, list[dict[str, Any]]], path: Path, title: str
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_eval(axis: Any, rows: list[dict[str, Any]], suffix: str) -> None:
+    """The eval passes (x = the step each started at): pass@1 and each reward function's nonzero share."""
+    evals = [row for row in rows if EVAL_PASS in row]
+    if not evals:
+        return
+    steps = [int(row["eval/step"]) for row in evals]
+    axis.plot(steps, [float(row[EVAL_PASS]) for row in evals], marker="s", label=f"pass@1{suffix}")
+    for key in sorted({key for row in evals for key in row if key.startswith(EVAL_NONZERO)}):
+        axis.plot(steps, [float(row.get(key, 0.0)) for row in evals], marker=".", linestyle="--",
+                  label=f"{key.removeprefix(EVAL_NONZERO)} > 0{suffix}")
+    axis.set_ylim(-0.02, 1.02)
+    axis.legend(fontsize=8)
 
 
 def device_settings(options: DemoOptions) -> tuple[dict[str, str], dict[str, str], Placement | None]:
@@ -301,8 +323,6 @@ def device_settings(options: DemoOptions) -> tuple[dict[str, str], dict[str, str
 
 def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Start everything, train, report, stop everything. Returns the report."""
-    from lorafleet_ops.tiny_model import make_tiny_model
-
     runs = run_names(options.runs)
     replica_env, trainer_env, placement = device_settings(options)
     out = options.out.resolve()
@@ -316,10 +336,10 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     begin = time.monotonic()
     try:
-        _say(f"==> building the offline tiny model in {work / 'tiny'}")
-        model = make_tiny_model(work / "tiny")
-        common = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(adapter_root), "RUN_NAME": runs[0],
-                  "MAX_MODEL_LEN": "512", "LOG_LEVEL": "INFO"}
+        defaults = base_model.task_defaults(task)
+        model = base_model.prepare(options.model or defaults.get("base_model", base_model.TINY), work, _say)
+        common = {"MAX_MODEL_LEN": "512", **base_model.common_env(defaults), "BASE_MODEL": model,
+                  "ADAPTER_ROOT": str(adapter_root), "RUN_NAME": runs[0], "LOG_LEVEL": "INFO"}
         if len(runs) > 1:  # --max-loras holds every run's slots (FLEET_MAX_RUNS x (staleness + 2)), plus one run's
             # worth for the doctor's probe, which loads as the default run (the trainers' preflight and the report's)
             common["FLEET_MAX_RUNS"] = str(len(runs) + 1)
@@ -423,7 +443,10 @@ def run_lines(report: dict[str, Any]) -> list[str]:
           f"last {calls['window_steps']} steps {fmt(calls['last_steps_mean'], '.3f')}"]
          if (calls := report.get("tool_calls_per_rollout")) else []) + (
         ["eval pass@1 by step: " + ", ".join(f"{row['step']}: {fmt(row['pass_at_1'], '.2f')}"
-                                              for row in report["eval"])] if report.get("eval") else [])
+                                              for row in report["eval"])] if report.get("eval") else []) + [
+        f"eval {name} > 0 by step: " + ", ".join(f"{row['step']}: {fmt(row['nonzero'].get(name), '.2f')}"
+                                                 for row in report["eval"])
+        for name in sorted({name for row in report.get("eval", []) for name in row.get("nonzero", {})})]
 
 
 def summary(report: dict[str, Any]) -> str:

@@ -12,10 +12,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, computed_field, field_validator
+from pydantic import Field, ValidationInfo, computed_field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lorafleet.adapters import metrics_path, run_dir
+from lorafleet.named_models import DEFAULT_MODEL_CACHE, NAMED_MODELS, resolve_base_model
 from lorafleet.runs import run_slots, slot_budget
 
 # vLLM accepts only these values for --max-lora-rank (vllm/config/lora.py, TRL's VLLM_LORA_RANKS).
@@ -57,9 +58,14 @@ class CommonSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_file=".env", env_file_encoding="utf-8", extra="ignore", frozen=True)
 
+    model_cache: Path = Field(
+        DEFAULT_MODEL_CACHE,
+        description="Where named models (BASE_MODEL=" + ", ".join(NAMED_MODELS) + ") are converted once and read.",
+    )
     base_model: str = Field(
         "Qwen/Qwen2.5-Math-1.5B",
-        description="Base model served by every replica and trained by the trainer (Hub id or local directory).",
+        description="Base model served by every replica and trained by the trainer (Hub id, local directory, or a "
+        "named model converted into MODEL_CACHE: " + ", ".join(NAMED_MODELS) + ").",
     )
     adapter_root: Path = Field(
         Path("/adapters"),
@@ -85,6 +91,11 @@ class CommonSettings(BaseSettings):
         if not RUN_NAME_PATTERN.match(value):
             raise ValueError(f"must match {RUN_NAME_PATTERN.pattern} (a plain folder name)")
         return value
+
+    @field_validator("base_model")
+    @classmethod
+    def _named_model_is_its_folder(cls, value: str, info: ValidationInfo) -> str:
+        return resolve_base_model(value, info.data.get("model_cache", DEFAULT_MODEL_CACHE))
 
     @field_validator("adapter_root")
     @classmethod
