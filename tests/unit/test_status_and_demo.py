@@ -151,3 +151,18 @@ def test_sync_report_bounds_the_stall_by_paused_time_plus_elided_loads():
     assert sync["stall_per_sync_s"] == pytest.approx(0.02 / 7 + 0.05)  # all elided: each may stall for its load
     assert sync["generated_tokens_per_s"] == 100.0 and sync["steps_per_minute"] == 20.0
     assert "7 of 7 pauses elided" in "\n".join(sync_lines(sync))
+
+
+def test_the_report_has_each_eval_pass_with_how_often_each_reward_scored_and_plots_it(tmp_path):
+    metrics = _metrics([0.1, 0.2, 0.3, 0.4])
+    metrics[0].update({"eval/pass_at_1": 0.25, "eval/step": 1.0, "eval/model_version": 1.0, "eval/reward": 0.3,
+                       "eval/nonzero/correct": 0.25, "eval/nonzero/bare_number": 0.1})
+    metrics[3].update({"eval/pass_at_1": 0.5, "eval/step": 4.0, "eval/model_version": 4.0, "eval/reward": 0.8,
+                       "eval/nonzero/correct": 0.5, "eval/nonzero/bare_number": 0.6})
+    report = build_report(metrics, FLEET, {"replicas": {}, "hit_rate": None}, wall_s=1.0)
+    assert [(row["step"], row["pass_at_1"], row["nonzero"]["bare_number"]) for row in report["eval"]] == [
+        (1, 0.25, 0.1), (4, 0.5, 0.6)]
+    text = summary(report)
+    assert "eval pass@1 by step: 1: 0.25, 4: 0.50" in text and "eval bare_number > 0 by step: 1: 0.10, 4: 0.60" in text
+    demo.plot_report({"demo": metrics}, tmp_path / "report.png", title="task arithmetic")
+    assert (tmp_path / "report.png").stat().st_size > 10_000

@@ -5,7 +5,8 @@ in a thread of its own: each row is one greedy episode (tools and environments a
 `max_tool_calling_iterations`, at most MAX_EVAL_TURNS) sent to TRAINER_VLLM_URL with the run key, like any rollout:
 evaluation is traffic, never a pause. The task's rewards score it (guarded, tasks/guards.py). A row passes when its
 summed reward is at or above the task's `pass_threshold`. The result rides on the next logged training step
-(`eval/pass_at_1`, `eval/reward`, `eval/rewards/<function>`, `eval/step`, `eval/model_version`), so metrics.jsonl,
+(`eval/pass_at_1`, `eval/reward`, `eval/rewards/<function>`, `eval/nonzero/<function>` (how often a function
+scored at all: a 0-or-x reward's hit rate, e.g. a format rate), `eval/step`, `eval/model_version`), so metrics.jsonl,
 Prometheus and the demo's report get it as they get the training reward; a pass still running when training ends
 (the last step's) gets up to FINAL_WAIT_S and its own metrics.jsonl line. One pass at a time: a slow one is not
 stacked on.
@@ -52,6 +53,7 @@ class EvalResult:
     passed: int
     reward: float | None
     by_function: dict[str, float | None] = field(default_factory=dict)
+    nonzero: dict[str, float] = field(default_factory=dict)  # per function: the share of rows it scored above 0
     failed_requests: int = 0
     duration_s: float = 0.0
 
@@ -66,6 +68,7 @@ class EvalResult:
         if self.reward is not None:
             logs["eval/reward"] = self.reward
         logs.update({f"eval/rewards/{name}": value for name, value in self.by_function.items() if value is not None})
+        logs.update({f"eval/nonzero/{name}": value for name, value in self.nonzero.items()})
         return logs
 
 
@@ -101,6 +104,8 @@ class Evaluator:
             step=step, model_version=model_version, rows=len(rows),
             passed=sum(total is not None and total >= self.task.settings.pass_threshold for total in totals),
             reward=_mean(totals), by_function=by_function,
+            nonzero={name: sum(value is not None and value > 0 for value in values) / len(rows)
+                     for name, values in scores.items() if rows},
             failed_requests=sum(not ok for *_, ok in episodes), duration_s=time.monotonic() - started)
 
     @staticmethod

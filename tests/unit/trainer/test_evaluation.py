@@ -83,6 +83,9 @@ def test_an_eval_pass_scores_greedy_answers_of_the_published_version(tokenizer, 
     assert result.reward == 1.5 and result.failed_requests == 0
     logs = result.as_logs()
     assert logs["eval/rewards/says_yes"] == 1.0 and "eval/rewards/broken" not in logs
+    # how often each function scored above 0 (a format reward's rate); a broken one scored no row
+    assert (logs["eval/nonzero/says_yes"], logs["eval/nonzero/expected_word"], logs["eval/nonzero/broken"]) == (
+        1.0, 0.5, 0.0)
     assert (logs["eval/step"], logs["eval/model_version"]) == (10.0, 3.0)
     assert {(b["model"], b["temperature"], b["max_tokens"], b["authorization"]) for b in _Greedy.bodies} == {
         ("trl-policy-v3", 0.0, 7, "Bearer lfr_key")}

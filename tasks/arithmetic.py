@@ -1,0 +1,92 @@
+"""`arithmetic`: a real model (SmolLM2-135M-Instruct, `BASE_MODEL=smollm2-135m`) learns to add, on 2 CPU cores.
+
+    make demo TASK=tasks/arithmetic.py       # the task picks its model: smollm2-135m, converted on first use
+    lorafleet doctor --task tasks/arithmetic.py
+
+Each prompt asks "What is a + b?"; the model answers in a few tokens. Untrained, it gets a bit under half of them right
+(greedy) and writes the sum inside a sentence or an equation ("12 + 13 = 25") far more often than as the bare number
+the system prompt asks for, so both rewards start low with room to rise, and GRPO groups sampled at temperature 1
+disagree (reward variance to learn from). Harder rows (two-digit sums, then a + b - c) sit in the same stream, so the
+adaption does not stop where single-digit sums saturate.
+
+Two rewards, summed by TRL: `correct` (1.0 when the last number of the reply is the answer) and `bare_number` (0.5
+when the reply is a number and nothing else). A row passes evaluation when its sum reaches 1.0, that is exactly when
+it is correct: pass@1 is accuracy, and the evaluator's `eval/nonzero/bare_number` is the format rate.
+
+The 64 held-out problems are drawn first from their own seed, and no training row asks one of them.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from datasets import Dataset
+
+SYSTEM = "You are a calculator. Reply with the answer as a bare number, nothing else."
+EVAL_ROWS = 64
+TRAIN_ROWS = 2048
+CORRECT, FORMAT = 1.0, 0.5
+# (share of rows, the problem kind): mostly what the model half knows, some of what it rarely gets.
+LEVELS = ((0.6, "small"), (0.25, "two_digit"), (0.15, "three_terms"))
+NUMBER = re.compile(r"-?\d+")
+BARE = re.compile(r"\s*-?\d+\.?\s*")
+
+pass_threshold = CORRECT
+# For 2 CPU cores (docs/benchmarks/real-model.md): a rank-8 adapter, groups of 8, short replies, and a wall-clock
+# budget rather than a step count: `make demo TASK=tasks/arithmetic.py` trains for RUN_MAX_WALL_S (17 min) at most.
+defaults = {"base_model": "smollm2-135m", "lora_rank": 8, "lora_alpha": 16, "learning_rate": 5e-4,
+            "num_generations": 8, "max_completion_length": 12, "temperature": 1.0, "token_budget": 0,
+            "train_batch_size": 32, "gradient_accumulation_steps": 1, "max_inflight_per_replica": 8,
+            "queue_maxsize": 16, "weight_sync_steps": 1, "max_steps": 200, "run_max_wall_s": 1020,
+            "max_model_len": 512}
+
+
+def problem(rng: random.Random, kind: str) -> tuple[str, int]:
+    """One question of `kind` and its answer."""
+    if kind == "small":
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        return f"What is {a} + {b}?", a + b
+    if kind == "two_digit":
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        return f"What is {a} + {b}?", a + b
+    a, b, c = rng.randint(1, 20), rng.randint(1, 20), rng.randint(1, 20)
+    return f"What is {a} + {b} - {c}?", a + b - c
+
+
+def rows(rng: random.Random, count: int, exclude: set[str]) -> list[dict]:
+    """`count` rows of the LEVELS mix whose questions are not in `exclude`."""
+    kinds = [kind for share, kind in LEVELS for _ in range(round(share * 100))]
+    out: list[dict] = []
+    while len(out) < count:
+        question, answer = problem(rng, rng.choice(kinds))
+        if question not in exclude:
+            out.append({"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+                        "answer": answer})
+    return out
+
+
+def reply(completion: list[dict]) -> str:
+    """The assistant's text of one rollout (TRL passes its messages)."""
+    return str(completion[0].get("content") or "") if completion else ""
+
+
+def correct(completions, answer, **kwargs):
+    """1.0 when the last number in the reply is the answer (`answer` is a dataset column)."""
+    scores = []
+    for completion, wanted in zip(completions, answer, strict=True):
+        numbers = NUMBER.findall(reply(completion))
+        scores.append(CORRECT if numbers and int(numbers[-1]) == wanted else 0.0)
+    return scores
+
+
+def bare_number(completions, **kwargs):
+    """0.5 when the reply is a number and nothing else, as the system prompt asks."""
+    return [FORMAT if BARE.fullmatch(reply(completion)) else 0.0 for completion in completions]
+
+
+held_out = rows(random.Random(1), EVAL_ROWS, exclude=set())
+eval_dataset = Dataset.from_list(held_out)
+train_dataset = Dataset.from_list(rows(random.Random(0), TRAIN_ROWS,
+                                       exclude={row["prompt"][1]["content"] for row in held_out}))
+reward_funcs = [correct, bare_number]
