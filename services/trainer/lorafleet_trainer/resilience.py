@@ -8,21 +8,27 @@ failures a proxy gone or coming back gives: a refused connection (it never reach
 (it did nothing: no ready replica yet), and a connection lost before any answer (the proxy died with the call in
 flight). Replaying each is safe because every control call TRL makes is idempotent at the proxy: a load of a name
 at the path the ledger already has is a success without a change, pause and resume set a state, and TRL ignores
-the status of an unload. All are waited out up to TRAINER_FLEET_WAIT_S. Other statuses are not retried; TRL's own
-handling of those stays as it is.
+the status of an unload. All are waited out up to TRAINER_FLEET_WAIT_S, each retry logged
+(`event=control_call_waiting`): urllib3's own retry warnings go to the NullHandler it installs, so a trainer whose
+sync met a stopped proxy waited a minute without a line. Other statuses are not retried; TRL's own handling of those
+stays as it is.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import types
 from typing import Any
 
 import requests
+from lorafleet.logs import log_event
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from lorafleet_trainer.run_key_file import bearer
+
+log = logging.getLogger(__name__)
 
 # Connection attempts with a 0.5 s doubling backoff, capped at RETRY_MAX_S: back on the fleet within seconds of its
 # return. CONNECT_RETRIES (the default without a fleet wait) rides out ~30 s; retries_for(wait) about `wait`.
@@ -39,10 +45,23 @@ def retries_for(wait_s: float) -> int:
     return max(1, math.ceil(wait_s / RETRY_MAX_S)) + 4  # the first four sleep less than RETRY_MAX_S together
 
 
+class LoggedRetry(Retry):
+    """urllib3's Retry that logs each retry it grants on the trainer's logger, with what failed and the wait."""
+
+    def increment(self, method: str | None = None, url: str | None = None, response: Any = None,
+                  error: Exception | None = None, _pool: Any = None, _stacktrace: Any = None) -> LoggedRetry:
+        granted = super().increment(method, url, response, error, _pool, _stacktrace)  # raises once spent
+        cause = f"{type(error).__name__}: {error}" if error is not None else f"HTTP {getattr(response, 'status', '?')}"
+        log_event(log, "control_call_waiting", logging.WARNING, call=f"{method} {url}", cause=cause,
+                  attempt=len(granted.history), retry_in_s=round(granted.get_backoff_time(), 1),
+                  reason="waiting for the fleet, up to TRAINER_FLEET_WAIT_S")
+        return granted
+
+
 def retrying_session(connect_retries: int = CONNECT_RETRIES, backoff_s: float = BACKOFF_S) -> requests.Session:
     """A Session that re-sends a request when the connection could not be made, was lost before the answer, or the
-    proxy said 503 (urllib3 logs each retry)."""
-    retry = Retry(
+    proxy said 503, logging each retry (LoggedRetry)."""
+    retry = LoggedRetry(
         total=None, connect=connect_retries, read=connect_retries, status=connect_retries, other=0, redirect=0,
         status_forcelist=RETRY_STATUSES, backoff_factor=backoff_s, backoff_max=RETRY_MAX_S, allowed_methods=None,
         raise_on_status=False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import logging
 import threading
 import time
 
@@ -83,3 +84,28 @@ def test_without_retries_the_same_refusal_is_fatal():
     port = free_port()
     with pytest.raises(requests.ConnectionError):
         requests.post(f"http://127.0.0.1:{port}/pause", timeout=2)
+
+
+def test_every_retry_of_a_control_call_is_logged_as_a_wait_for_the_fleet(monkeypatch):
+    """urllib3's own retry warnings reach only the NullHandler it installs: a sync that met a stopped proxy waited
+    without a line. Each retry is logged on the trainer's logger, naming the call and what failed."""
+    from trl.experimental.async_grpo import vllm_client
+
+    monkeypatch.setattr(vllm_client, "requests", vllm_client.requests)  # restored after the test
+    retry_control_calls(retrying_session(connect_retries=2, backoff_s=0.01))
+    port = free_port()  # nothing listens: the proxy stopped
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("lorafleet_trainer.resilience")  # on it: its parent may not propagate (configure())
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(requests.ConnectionError):
+            vllm_client.VLLMClient(f"http://127.0.0.1:{port}").pause()
+    finally:
+        logger.removeHandler(handler)
+    waits = [record for record in records if record.getMessage() == "control_call_waiting"]
+    assert len(waits) == 2 and all(record.levelno == logging.WARNING for record in waits), records
+    fields = waits[0].fields  # type: ignore[attr-defined]
+    assert fields["call"] == "POST /pause?mode=keep" and "ConnectionError" in fields["cause"]
+    assert "waiting for the fleet" in fields["reason"] and fields["attempt"] == 1
