@@ -193,9 +193,9 @@ def test_trainer_and_model_fetch_can_download_models(project: dict) -> None:
 def test_adapters_is_mounted_at_the_same_path_everywhere_with_the_right_modes(render: RenderFn, root: str) -> None:
     project = render(ADAPTER_ROOT=root)
     expected_root = root or default_of("adapter_root")
-    # The one-shots that lay out the store, build the cpu profile's tiny model into it and write the doctor's probe
-    # adapter; model-fetch only reads it (a local BASE_MODEL under ADAPTER_ROOT). Trainers mount parts of it (below).
-    writers = {"store-init", "tiny-model", "doctor", "doctor-cpu"}
+    # The one-shots that lay out the store, build the cpu profile's tiny (or named) model into it and write the
+    # doctor's probe adapter; model-fetch only reads it (a local BASE_MODEL under ADAPTER_ROOT). Trainers mount parts of it (below).
+    writers = {"store-init", "tiny-model", "named-model", "doctor", "doctor-cpu"}
     long_running = [n for n, s in project["services"].items() if role(s) != "one-shot"]
     for name, svc in project["services"].items():
         adapters = mounts(svc, "adapters")
@@ -359,8 +359,9 @@ def test_cpu_profile_runs_the_same_topology(run_compose: ComposeRunner, make_env
         return set(result.stdout.split())
 
     gpu, cpu = services("gpu"), services("cpu")
-    # The same topology, plus the one-shot that builds the cpu profile's default model (the offline tiny model).
-    assert {name.removesuffix("-cpu") for name in cpu} == gpu | {"tiny-model"} and gpu == STACK
+    # The same topology, plus the one-shots that build the cpu profile's default model (the offline tiny model) and
+    # convert a named one (BASE_MODEL=smollm2-135m).
+    assert {name.removesuffix("-cpu") for name in cpu} == gpu | {"tiny-model", "named-model"} and gpu == STACK
 
 
 def test_default_profile_comes_from_env_example(run_compose: ComposeRunner, make_env_file: EnvFileMaker) -> None:
@@ -368,8 +369,8 @@ def test_default_profile_comes_from_env_example(run_compose: ComposeRunner, make
     result = run_compose("config", "--services", env_file=make_env_file(), profiles=())
     assert set(result.stdout.split()) == STACK, result.stderr
     cpu = run_compose("config", "--services", env_file=make_env_file(COMPOSE_PROFILES="cpu"), profiles=())
-    assert set(cpu.stdout.split()) == {"store-init", "proxy", "tiny-model", "model-fetch-cpu", "vllm-cpu",
-                                       "trainer-cpu"}, cpu.stderr
+    assert set(cpu.stdout.split()) == {"store-init", "proxy", "tiny-model", "named-model", "model-fetch-cpu",
+                                       "vllm-cpu", "trainer-cpu"}, cpu.stderr
 
 
 def test_cpu_trainer_is_the_trainer_dockerfile_on_the_cpu_replica_image(project: dict) -> None:

@@ -40,10 +40,10 @@ def test_cpu_profile_defaults_are_stated_next_to_the_profile() -> None:
     text = ENV_EXAMPLE.read_text()
     comment = text[: text.index("\nCOMPOSE_PROFILES=")].rsplit("\n\n", 1)[-1]
     defaults = cpu_profile_defaults()
-    assert set(defaults) == {"BASE_MODEL", "MAX_MODEL_LEN", "VLLM_DTYPE", "TRAINER_TASK"}, defaults
-    assert "tiny model" in comment and "BASE_MODEL" in comment, comment
+    assert set(defaults) == {"BASE_MODEL", "MODEL_CACHE", "MAX_MODEL_LEN", "VLLM_DTYPE", "TRAINER_TASK"}, defaults
+    assert "tiny model" in comment and "BASE_MODEL" in comment and "MODEL_CACHE" in comment, comment
     for name, value in defaults.items():
-        if name != "BASE_MODEL":
+        if name not in ("BASE_MODEL", "MODEL_CACHE"):  # paths in the store, named in words
             assert f"{name} {value}" in comment, f"{name} {value} not stated above COMPOSE_PROFILES"
 
 
