@@ -1,13 +1,13 @@
 """Bad admin input is vLLM's 400 before any broadcast: no fleet lock taken, nothing sent to a replica (issue 12).
 
 Each bad body is sent while a slow load holds the fleet lock (a replica answering "No adapter found"
-until the load deadline): an answer that comes back at once proves the check ran before the lock.
+until the load deadline): an answer that comes back while that load is still pending proves the check ran before the
+lock (an order, not a time bound: it holds however fast the machine).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from lorafleet_testing.waiting import until
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 LOAD = "/v1/load_lora_adapter"
+LOCK_HELD_S = 10.0  # the slow load's deadline: the lock is held this long, far longer than the bad requests take
 UNLOAD = "/v1/unload_lora_adapter"
 # (path, query, JSON body, param named in the 400)
 BAD: list[tuple[str, dict[str, str], Any, str]] = [
@@ -45,7 +46,7 @@ BAD: list[tuple[str, dict[str, str], Any, str]] = [
 async def test_bad_admin_input_is_400_before_the_lock_and_reaches_no_replica(tmp_path: Path) -> None:
     fakes, servers = await start_fakes(2)
     settings = load_settings(proxy_upstreams=",".join(s.url for s in servers), adapter_root=str(tmp_path),
-                             proxy_health_interval_s=0.05, proxy_lora_load_timeout_s=3.0)
+                             proxy_health_interval_s=0.05, proxy_lora_load_timeout_s=LOCK_HELD_S)
     proxy = await start_server(create_app(settings))
     try:
         async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
@@ -60,13 +61,11 @@ async def test_bad_admin_input_is_400_before_the_lock_and_reaches_no_replica(tmp
                 await asyncio.sleep(0.01)
             before = [len(fake.received) for fake in fakes]
             for path, query, body, param in BAD:
-                started = time.monotonic()
                 answer = await client.post(path, params=query, json=body)
-                took = time.monotonic() - started
+                assert not slow.done(), f"{path} {body} was answered after the lock holder: it queued behind the lock"
                 assert answer.status_code == 400, (path, body, answer.text)
                 error = answer.json()["error"]
                 assert (error["type"], error["code"], error["param"]) == ("Bad Request", 400, param), error
-                assert took < 1.0, f"{path} {body} waited {took:.1f}s: it queued behind the fleet lock"
             reached = [(r.method, r.path) for fake, mark in zip(fakes, before, strict=True)
                        for r in fake.received[mark:] if r.path in (LOAD, UNLOAD, "/pause", "/reset_prefix_cache")
                        and b"slow" not in r.body]
