@@ -26,6 +26,8 @@ import json
 import multiprocessing
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -144,33 +146,50 @@ def main(argv: list[str] | None = None) -> int:
     described = {"shape": workload["shape"], "tokenizer_ids": workload["token_ids"], "built_in_s":
                  round(time.monotonic() - began, 1), "weights": "seeded random, bf16 (trainer_shape.build_workload)"}
     print(f"bench-gpu: model built in {described['built_in_s']} s; parts {','.join(args.parts)}", flush=True)
+    failed: list[str] = []
     if {"sync", "turns"} & set(args.parts):
-        fleet = layout(args.device, 2, eager=True)
-        proxy = GPU_PROXY if args.device == "gpu" else {"PROXY_CANARY_INTERVAL_S": "0"}
-        replicas = shared_replicas(model, work, fleet)
-        started = time.monotonic()
-        with running(replicas, fleet.wave, timeout_s=600):
-            common = {"device": args.device, "model": described, "replica_settings": fleet.notes,
-                      "replicas_started_in_s": round(time.monotonic() - started, 1), "why": WHY}
-            if "sync" in args.parts:
-                part_began = time.monotonic()
-                result = sync_part(replicas, model, work, sizes, proxy)
-                write(args.out_dir / "bench-gpu-sync.json", {
-                    "benchmark": "gpu-sync", RECORD_KEY: run_record(), **common, "proxy_settings": proxy, **result,
-                    "wall_s": round(time.monotonic() - part_began, 1)})
-            if "turns" in args.parts:
-                part_began = time.monotonic()
-                result = turns_part(replicas, model, work, sizes)
-                write(args.out_dir / "bench-gpu-turns.json", {
-                    "benchmark": "gpu-turns", RECORD_KEY: run_record(), **common, **result,
-                    "wall_s": round(time.monotonic() - part_began, 1)})
+        try:
+            shared_parts(args, model, described, work, sizes, failed)
+        except Exception:  # the replicas did not start: neither part ran
+            traceback.print_exc()
+            failed += [name for name in ("sync", "turns") if name in args.parts and name not in failed]
     if "pipeline" in args.parts:
-        part_began = time.monotonic()
-        result = pipeline_part(args.device, work, sizes)
-        write(args.out_dir / "bench-gpu-pipeline.json", {**result, "model": described, "why": WHY,
-                                                          "wall_s": round(time.monotonic() - part_began, 1)})
-    print(f"bench-gpu: done in {time.monotonic() - began:.0f} s", flush=True)
-    return 0
+        part(failed, "pipeline", lambda: write(args.out_dir / "bench-gpu-pipeline.json", {
+            **pipeline_part(args.device, work, sizes), "model": described, "why": WHY}))
+    print(f"bench-gpu: done in {time.monotonic() - began:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""),
+          flush=True)
+    return 1 if failed else 0
+
+
+def part(failed: list[str], name: str, run: Callable[[], None]) -> None:
+    """Run one part; a failure is printed and noted, and the next part still runs (the GPU's minutes are few)."""
+    began = time.monotonic()
+    try:
+        run()
+    except Exception:
+        traceback.print_exc()
+        failed.append(name)
+    print(f"bench-gpu: {name} {'FAILED' if name in failed else 'done'} in {time.monotonic() - began:.0f} s", flush=True)
+
+
+def shared_parts(args: argparse.Namespace, model: Path, described: dict[str, Any], work: Path,
+                 sizes: dict[str, Any], failed: list[str]) -> None:
+    """Benchmarks 1-3 on the two shared replicas, started once."""
+    fleet = layout(args.device, 2, eager=True)
+    proxy = GPU_PROXY if args.device == "gpu" else {"PROXY_CANARY_INTERVAL_S": "0"}
+    replicas = shared_replicas(model, work, fleet)
+    started = time.monotonic()
+    with running(replicas, fleet.wave, timeout_s=600):
+        common = {RECORD_KEY: run_record(), "device": args.device, "model": described,
+                  "replica_settings": fleet.notes, "replicas_started_in_s": round(time.monotonic() - started, 1),
+                  "why": WHY}
+        if "sync" in args.parts:
+            part(failed, "sync", lambda: write(args.out_dir / "bench-gpu-sync.json", {
+                "benchmark": "gpu-sync", **common, "proxy_settings": proxy,
+                **sync_part(replicas, model, work, sizes, proxy)}))
+        if "turns" in args.parts:
+            part(failed, "turns", lambda: write(args.out_dir / "bench-gpu-turns.json", {
+                "benchmark": "gpu-turns", **common, **turns_part(replicas, model, work, sizes)}))
 
 
 if __name__ == "__main__":

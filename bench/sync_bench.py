@@ -456,23 +456,26 @@ async def load_until_serving(load_url: str, probe_urls: list[str], publisher: Pu
 def publish_latency(replicas: list[Service], model: Path, work: Path, rank: int, samples: int,
                     proxy_settings: dict[str, str]) -> dict[str, Any]:
     """At LoRA `rank`: `samples` loads asked of the first replica directly (the baseline), then `samples` published
-    through a fresh proxy to every replica, each timed from the rename into place to serving. The baseline runs
-    before the proxy starts, so the proxy never sees an adapter it did not load."""
+    through a fresh proxy to every replica, each timed from the rename into place to serving, each arm after one
+    unmeasured load (a replica's first load at a rank compiles; on CPU it took seconds). The baseline runs before
+    the proxy starts, so the proxy never sees an adapter it did not load."""
     publisher = Publisher(model, rank=rank)
     root = work / "adapters" / f"publish-r{rank}"
     shutil.rmtree(root, ignore_errors=True)
     lora_dir(root, RUN).mkdir(parents=True)
     urls = [replica.url for replica in replicas]
-    single = [asyncio.run(load_until_serving(urls[0], urls[:1], publisher, root, 1000 + i)) for i in range(samples)]
+    single = [asyncio.run(load_until_serving(urls[0], urls[:1], publisher, root, 1000 + i))
+              for i in range(samples + 1)]
     proxy = proxy_service(f"proxy-publish-r{rank}", {"ADAPTER_ROOT": str(root), "PROXY_UPSTREAMS": ",".join(urls),
                                                      "LOG_LEVEL": "WARNING", **proxy_settings}, work / "logs").start()
     try:
         wait_healthy([proxy], timeout_s=60)
-        fleet = [asyncio.run(load_until_serving(proxy.url, urls, publisher, root, 1 + i)) for i in range(samples)]
+        fleet = [asyncio.run(load_until_serving(proxy.url, urls, publisher, root, 1 + i)) for i in range(samples + 1)]
     finally:
         proxy.stop()
+    (fleet_first, *fleet), (single_first, *single) = fleet, single
     p50 = {"fleet": pct(fleet, 0.5), "single": pct(single, 0.5)}
-    return {"rank": rank, "samples": samples,
+    return {"rank": rank, "samples": samples, "first_load_s": {"fleet": fleet_first, "single_replica": single_first},
             "fleet_s": {"p50": p50["fleet"], "p95": pct(fleet, 0.95), "all": fleet},
             "single_replica_s": {"p50": p50["single"], "p95": pct(single, 0.95), "all": single},
             "fleet_minus_single_p50_ms": round(1000 * (p50["fleet"] - p50["single"]), 1),

