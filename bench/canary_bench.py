@@ -6,14 +6,14 @@ the canary at its default period (PROXY_CANARY_INTERVAL_S, 30 s), two adapters o
 closed-loop clients sending sampled completions (temperature 1, `--max-tokens`, adapter or base model at random)
 through the proxy for `--seconds`: concurrent traffic, so batch composition varies under every probe.
 
-- calibration: every `--sample-s` the canary's own probe (the same request the proxy sends) goes straight to both
-  replicas at once, for the base model and both adapters. Recorded: the largest logprob difference between the two
-  replicas for the same subject (what batch noise does: the tolerance must sit above it) and between subjects on
-  one replica (what other weights do: the tolerance must sit below it), and whether the greedy tokens matched;
+- calibration: every `--sample-s` the canary's own probe (the same teacher-forced request the proxy sends) goes
+  straight to both replicas at once, for the base model and both adapters. Recorded: the canary's distance (mean
+  |Δ logprob| per scored token) between the two replicas for the same subject (what batch noise does: the
+  tolerance must sit above it) and between subjects on one replica (what other weights do: it must sit below);
 - false alarms: the proxy's own `lorafleet_proxy_canary_disagreements_total` at the end (every replica decodes
   with the right weights here, so any disagreement is a false alarm), with its rounds and probes;
-- cost: the probes' share of what the fleet generated in the run (tokens and requests), the proxy's own counts
-  against the clients' answers.
+- cost: the probes' share of what the fleet computed in the run (scored against generated tokens, and requests),
+  the proxy's own counts against the clients' answers.
 
     .venv/bin/python bench/canary_bench.py --out bench/results/bench-canary.json [--seconds 600]
 """
@@ -37,17 +37,11 @@ from lorafleet.vllm_api import metric_total
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record
 from lorafleet_ops.processes import Service, proxy_service, replica_service, wait_healthy
 from lorafleet_ops.tiny_model import make_adapter, make_tiny_model
-from lorafleet_proxy.canary import Canary, CanaryAnswer, parse_answer
+from lorafleet_proxy.canary import Canary, CanaryAnswer, parse_answer, tolerance_for
 from lorafleet_proxy.metrics import Metrics
 
 RUN = "bench"
 ADAPTERS = {"trl-policy-v1": 21, "trl-policy-v2": 22}  # name -> seed
-
-
-def first_token_gap(one: CanaryAnswer, other: CanaryAnswer) -> float:
-    """How far two subjects' answers lie apart where a logprob comparison still means something: the first
-    token's logprob when both chose it, else inf (other tokens)."""
-    return abs(one.logprobs[0] - other.logprobs[0]) if one.tokens[:1] == other.tokens[:1] else float("inf")
 
 
 def finite(value: Any) -> Any:
@@ -80,31 +74,25 @@ async def client_loop(http: httpx.AsyncClient, models: list[tuple[str, str]], en
 
 
 async def sampler(replicas: list[str], subjects: dict[str, str], end: float, every_s: float,
-                  canary: Canary) -> list[dict[str, Any]]:
+                  canary: Canary, tolerance: float) -> list[dict[str, Any]]:
     """The canary's probe straight to both replicas at once, for every subject, every `every_s`."""
     samples: list[dict[str, Any]] = []
     async with httpx.AsyncClient(timeout=120) as http:
         while time.monotonic() < end:
             started = time.monotonic()
-            answers: dict[str, dict[str, Any]] = {}
+            answers: dict[str, dict[str, CanaryAnswer]] = {}
             for subject, model in subjects.items():
                 bodies = await asyncio.gather(*(http.post(url + "/v1/completions", json=canary.request(model))
                                                 for url in replicas))
-                answers[subject] = {url: parse_answer(body.json()) for url, body in zip(replicas, bodies, strict=True)}
-            same = {subject: max(abs(a - b) for a, b in zip(*(answer.logprobs for answer in pair.values()),
-                                                            strict=True))
-                    for subject, pair in answers.items()}
-            tokens_match = all(len({answer.tokens for answer in pair.values()}) == 1 for pair in answers.values())
+                answers[subject] = {url: parse_answer(body.json(), canary.tokens)
+                                    for url, body in zip(replicas, bodies, strict=True)}
+            same = {subject: one.distance(other)
+                    for subject, (one, other) in ((subject, tuple(pair.values())) for subject, pair in answers.items())}
             first = replicas[0]
             names = list(subjects)
-            across = [first_token_gap(answers[a][first], answers[b][first])
-                      for i, a in enumerate(names) for b in names[i + 1:]]
-            margins = [margin for pair in answers.values() for answer in pair.values() for margin in answer.margins]
-            samples.append({"t": round(started, 2), "between_replicas": same, "tokens_match": tokens_match,
-                            "between_subjects": across,
-                            "agreed": all(one.agrees(other, canary.tolerance)
-                                          for one, other in (tuple(pair.values()) for pair in answers.values())),
-                            "smallest_margin": min(margins, default=float("inf"))})
+            across = [answers[a][first].distance(answers[b][first]) for i, a in enumerate(names) for b in names[i + 1:]]
+            samples.append({"t": round(started, 2), "between_replicas": same, "between_subjects": across,
+                            "agreed": all(distance <= tolerance for distance in same.values())})
             await asyncio.sleep(max(every_s - (time.monotonic() - started), 0))
     return samples
 
@@ -124,7 +112,7 @@ async def run(args: argparse.Namespace, proxy: Service, replicas: list[Service],
         models = [("/v1/completions", base), *((f"/runs/{RUN}/v1/completions", name) for name in ADAPTERS)]
         clients = [client_loop(http, models, end, args.max_tokens, seed, counts) for seed in range(args.clients)]
         samples, *_ = await asyncio.gather(sampler([r.url for r in replicas], subjects, end, args.sample_s,
-                                                   canary), *clients)
+                                                   canary, args.tolerance), *clients)
         elapsed = time.monotonic() - started
         after = (await http.get("/metrics")).text
         fleet = (await http.get("/fleet")).json()
@@ -138,7 +126,7 @@ async def run(args: argparse.Namespace, proxy: Service, replicas: list[Service],
     return {
         RECORD_KEY: run_record(), "dtype": args.dtype,
         "seconds": round(elapsed, 1), "clients": args.clients, "max_tokens": args.max_tokens,
-        "canary": {"interval_s": args.interval_s, "tokens": args.tokens, "tolerance": canary.tolerance,
+        "canary": {"interval_s": args.interval_s, "tokens": args.tokens, "tolerance": args.tolerance,
                    "rounds_expected": int(elapsed // args.interval_s), "probes": probes,
                    "false_alarms": delta("lorafleet_proxy_canary_disagreements_total"),
                    "undecided": delta("lorafleet_proxy_canary_undecided_total"),
@@ -148,20 +136,19 @@ async def run(args: argparse.Namespace, proxy: Service, replicas: list[Service],
                     "failures": sum(counts["failures"].values()), "failure_kinds": dict(counts["failures"]),
                     "requests_per_s": round(counts["requests"] / elapsed, 2),
                     "tokens_per_s": round(counts["tokens"] / elapsed, 1)},
-        "cost": {"token_share": round(probes * args.tokens / max(counts["tokens"] + probes * args.tokens, 1), 5),
+        # A probe is one prefill of the canary text and no decoding: its cost is counted in scored tokens beside
+        # the generated ones, and in requests.
+        "cost": {"scored_token_share": round(probes * args.tokens / max(counts["tokens"] + probes * args.tokens, 1),
+                                             5),
                  "request_share": round(probes / max(counts["requests"] + probes, 1), 5)},
         "calibration": {"samples": len(samples),
-                        "greedy_tokens_always_match": all(sample["tokens_match"] for sample in samples),
                         "canary_rule_always_agreed": all(sample["agreed"] for sample in samples),
-                        "smallest_top2_margin": min((sample["smallest_margin"] for sample in samples),
-                                                    default=float("inf")),
-                        "subjects_with_other_first_token": sum(value == float("inf") for value in signal),
                         "between_replicas_max": max(noise, default=0.0),
                         "between_replicas_p99": quantile(noise, 0.99),
                         "between_replicas_median": statistics.median(noise) if noise else 0.0,
                         "between_subjects_pairs": len(signal),
-                        "between_subjects_first_token_min": min(signal, default=float("inf")),
-                        "between_subjects_first_token_median": statistics.median(signal) if signal else 0.0},
+                        "between_subjects_min": min(signal, default=float("inf")),
+                        "between_subjects_median": statistics.median(signal) if signal else 0.0},
     }
 
 
@@ -177,6 +164,7 @@ def main() -> int:
     args = parser.parse_args()
     defaults = StackSettings(_env_file=None)
     args.interval_s, args.tokens = defaults.proxy_canary_interval_s, defaults.proxy_canary_tokens
+    args.tolerance = tolerance_for([args.dtype])
     work = args.work.resolve()
     args.model = make_tiny_model(work / "tiny")
     args.root = work / "adapters"

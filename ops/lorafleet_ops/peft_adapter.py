@@ -11,6 +11,7 @@ default init (B = 0) would reproduce the base model and let a replica serving th
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -40,12 +41,16 @@ def module_shapes(config: dict[str, Any]) -> dict[str, tuple[str, int, int]]:
 
 def write_lora_adapter(out: Path, config: dict[str, Any], base_model: str, *, rank: int = 1,
                        alpha: int | None = None, modules: Sequence[str] = ALL_LINEAR,
-                       layers: Sequence[int] | None = None, seed: int = 0, scale: float = 0.5) -> Path:
-    """Write a LoRA adapter of `rank` on `modules` of `layers` (default: all) with N(0, scale) weights.
+                       layers: Sequence[int] | None = None, seed: int = 0, scale: float = 0.5,
+                       b_scale: float | None = None, b_signs: bool = False) -> Path:
+    """Write a LoRA adapter of `rank` on `modules` of `layers` (default: all) with N(0, scale) weights (B's
+    N(0, b_scale) where given; with `b_signs`, exactly +-b_scale: a seed's adapters then differ only by B's size,
+    as one run's versions a number of optimizer steps apart do).
 
     Published like TRL publishes: staged under a dot-name, then renamed into place, so a reader
     never sees half an adapter. `alpha` defaults to 2 * rank (the recipe's ratio).
     """
+    b_scale = scale if b_scale is None else b_scale
     text = config.get("text_config") or config
     shapes = module_shapes(config)
     rng = random.Random(seed)
@@ -55,7 +60,9 @@ def write_lora_adapter(out: Path, config: dict[str, Any], base_model: str, *, ra
             block, fan_in, fan_out = shapes[module]
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = ([rank, fan_in], [rng.gauss(0, scale) for _ in range(rank * fan_in)])
-            tensors[f"{prefix}.lora_B.weight"] = ([fan_out, rank], [rng.gauss(0, scale) for _ in range(fan_out * rank)])
+            draws = (rng.gauss(0, 1) for _ in range(fan_out * rank))
+            tensors[f"{prefix}.lora_B.weight"] = ([fan_out, rank], [b_scale * (math.copysign(1, z) if b_signs else z)
+                                                                    for z in draws])
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": rank,
         "lora_alpha": 2 * rank if alpha is None else alpha, "lora_dropout": 0.0, "target_modules": list(modules),

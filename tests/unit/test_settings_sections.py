@@ -42,7 +42,7 @@ def other_value(name: str) -> tuple[str, object]:
     if annotation is int:
         value = default + 1 if not any(getattr(item, "le", None) == default for item in field.metadata) else default - 1
         return str(value), value
-    if annotation is float:
+    if annotation is float or annotation == float | None:
         value = default / 2 if default else 0.5
         return str(value), value
     if annotation is Path:

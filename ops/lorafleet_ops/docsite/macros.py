@@ -223,8 +223,23 @@ def define_env(env: Any) -> None:
     calls: dict[str, Callable[..., str]] = {"bench_meta": results.meta, "bench_value": results.value,
                                             "bench_ratio": results.ratio, "bench_table": results.table,
                                             "bench_plot": results.plot, "bench_exists": results.exists}
+    calls.update(canary_tolerance=canary_tolerance, canary_renewable=canary_renewable)
     for name, call in calls.items():
         env.macro(call, name)
+
+
+def canary_tolerance(dtype: str) -> str:
+    """The agreement canary's default tolerance for replicas serving in `dtype`, as the proxy computes it."""
+    from lorafleet_proxy.canary import tolerance_for
+
+    return f"{tolerance_for([dtype]):g}"
+
+
+def canary_renewable() -> str:
+    """How many tolerances a re-loaded lone replica may depart and still renew its reference (the proxy's own)."""
+    from lorafleet_proxy.canary import RENEWABLE_TOLERANCES
+
+    return f"{RENEWABLE_TOLERANCES:g}"
 
 
 def _rows(items: Any, wanted: Sequence[str | int] | None) -> list[tuple[str | int, Any]]:

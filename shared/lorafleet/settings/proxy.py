@@ -92,12 +92,14 @@ class ProxySettings(CommonSettings, ReplicaKey):
         "model and each run's newest adapter, answers compared); 0 = only at loads and re-syncs.",
     )
     proxy_canary_tokens: int = Field(
-        4, ge=1, le=64, description="Greedy tokens of one canary probe (its cost; more tokens see smaller faults).",
+        32, ge=4, le=64, description="Tokens of the canary's fixed text scored per probe (teacher-forced: their "
+        "log-probabilities under the subject's weights, one prefill); more tokens average more noise away.",
     )
-    proxy_canary_logprob_tolerance: float = Field(
-        0.02, ge=0, description="Largest log-probability difference between two replicas' canary answers that still "
-        "counts as the same weights (batch composition moves the last digits; "
-        "docs/concepts/provenance.md#the-agreement-canary).",
+    proxy_canary_logprob_tolerance: float | None = Field(
+        None, ge=0, description="Largest mean log-probability difference per scored token between two replicas' "
+        "canary answers that still counts as the same weights. Unset: the noise bound measured for the replicas' "
+        "dtype, 0.01 in float32 and 0.1 in bfloat16 or float16 "
+        "(docs/concepts/provenance.md#the-agreement-canary).",
     )
     proxy_canary_timeout_s: float = Field(
         60.0, gt=0, description="Timeout of one canary probe (a replica that does not answer in time has no vote).",

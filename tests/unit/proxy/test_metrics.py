@@ -18,8 +18,8 @@ def test_names_follow_prometheus_conventions() -> None:
         assert family.name.startswith("lorafleet_proxy_"), family.name
         if family.type == "counter":
             assert all(s.name.endswith(("_total", "_created")) for s in family.samples), family.name
-        if family.type == "histogram":
-            assert family.name.endswith("_seconds"), family.name
+        if family.type == "histogram":  # a base unit: time, or the canary's log-probability distance
+            assert family.name.endswith(("_seconds", "_nats")), family.name
 
 
 def test_failures_and_rollbacks_exist_at_zero_before_any_broadcast() -> None:

