@@ -79,8 +79,9 @@ def build_workload(work: Path, tiny: bool) -> dict[str, Any]:
 
     The weights are made on the GPU where there is one (seconds for 1.5B parameters, minutes on CPU). The tokenizer is
     the tiny model's offline BPE (about a thousand ids): BPE training on its synthetic corpus cannot reach Qwen's
-    151,936 ids, so the model has more embedding rows than the tokenizer has ids, as Qwen2.5's own checkpoints do
-    (151,936 rows, 151,665 ids); the shape, and so the compute, is the real one's.
+    151,936 ids (asked for them, it stops at 2,794: the corpus has no more merges), so the model has more embedding
+    rows than the tokenizer has ids, as Qwen2.5's own checkpoints do (151,936 rows, 151,665 ids); the shape, and so
+    the compute, is the real one's.
     """
     import torch
     from lorafleet_ops.tiny_model import WORDS, build_tokenizer
