@@ -473,9 +473,14 @@ def publish_latency(replicas: list[Service], model: Path, work: Path, rank: int,
         fleet = [asyncio.run(load_until_serving(proxy.url, urls, publisher, root, 1 + i)) for i in range(samples + 1)]
     finally:
         proxy.stop()
+    return publish_summary(rank, fleet, single)
+
+
+def publish_summary(rank: int, fleet: list[float], single: list[float]) -> dict[str, Any]:
+    """Each arm's percentiles over its loads but the first (its warm-up, reported apart), and the goal."""
     (fleet_first, *fleet), (single_first, *single) = fleet, single
     p50 = {"fleet": pct(fleet, 0.5), "single": pct(single, 0.5)}
-    return {"rank": rank, "samples": samples, "first_load_s": {"fleet": fleet_first, "single_replica": single_first},
+    return {"rank": rank, "samples": len(fleet), "first_load_s": {"fleet": fleet_first, "single_replica": single_first},
             "fleet_s": {"p50": p50["fleet"], "p95": pct(fleet, 0.95), "all": fleet},
             "single_replica_s": {"p50": p50["single"], "p95": pct(single, 0.95), "all": single},
             "fleet_minus_single_p50_ms": round(1000 * (p50["fleet"] - p50["single"]), 1),

@@ -9,6 +9,7 @@ import gpu_fleet
 import pytest
 from lorafleet_ops.host_check import Gpu, NoGpu
 from pipeline_bench import arms_for, pick_arms
+from sync_bench import publish_summary
 
 
 def test_without_cuda_the_run_stops_with_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
@@ -53,3 +54,12 @@ def test_arms_run_in_the_order_named():
     assert pick_arms(arms, []) == arms
     with pytest.raises(ValueError, match="unknown arm"):
         pick_arms(arms, ["proxy-9"])
+
+
+def test_publish_latency_leaves_each_arms_first_load_out_and_states_the_goal():
+    summary = publish_summary(16, fleet=[4.9, 0.20, 0.17, 0.18], single=[4.8, 0.14, 0.13, 0.15])
+    assert summary["first_load_s"] == {"fleet": 4.9, "single_replica": 4.8}
+    assert summary["samples"] == 3 and summary["fleet_s"]["all"] == [0.20, 0.17, 0.18]
+    assert summary["fleet_s"]["p50"] == 0.18 and summary["single_replica_s"]["p50"] == 0.14
+    assert summary["fleet_minus_single_p50_ms"] == 40.0 and summary["goal_met"] is True
+    assert publish_summary(1, [1.0, 0.3, 0.3], [1.0, 0.1, 0.1])["goal_met"] is False
