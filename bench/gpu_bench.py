@@ -66,7 +66,7 @@ WHY = {
     "pipeline_replica": f"{EAGER}: throughput is lower than with CUDA graphs in both arms alike; graphs would add "
                         "~95 s of start to a run of a few minutes",
     "pipeline_order": "proxy-1 runs first, so the first arm's cold start falls on the proxy, not on TRL alone",
-    "MAX_COMPLETION_LENGTH": "random weights never stop at EOS: every rollout runs to the cap; 512 keeps a step "
+    "MAX_COMPLETION_LENGTH": "random weights almost never sample EOS: rollouts run to the cap; 512 keeps a step "
                              "at seconds while the step still trains 16,384 x 6 tokens",
     "GRADIENT_CHECKPOINTING": "the step peaks near 60 GiB without it (bench-trainer); here it shares the card "
                               "with a replica",
