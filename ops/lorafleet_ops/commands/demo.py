@@ -173,6 +173,9 @@ def run_report(metrics: list[dict[str, Any]]) -> dict[str, Any]:
                           if key.startswith(EVAL_NONZERO)}} for row in metrics if EVAL_PASS in row]
     if evals:
         report["eval"] = evals
+        report["eval_pass_at_1"] = {"first": evals[0]["pass_at_1"], "last": evals[-1]["pass_at_1"],
+                                    "best": max(row["pass_at_1"] for row in evals),
+                                    "change_points": round(100 * (evals[-1]["pass_at_1"] - evals[0]["pass_at_1"]), 1)}
     return report
 
 
@@ -337,7 +340,8 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     begin = time.monotonic()
     try:
         defaults = base_model.task_defaults(task)
-        model = base_model.prepare(options.model or defaults.get("base_model", base_model.TINY), work, _say)
+        model_name = options.model or defaults.get("base_model", base_model.TINY)
+        model = base_model.prepare(model_name, work, _say)
         common = {"MAX_MODEL_LEN": "512", **base_model.common_env(defaults), "BASE_MODEL": model,
                   "ADAPTER_ROOT": str(adapter_root), "RUN_NAME": runs[0], "LOG_LEVEL": "INFO"}
         if len(runs) > 1:  # --max-loras holds every run's slots (FLEET_MAX_RUNS x (staleness + 2)), plus one run's
@@ -399,6 +403,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         doctor_env = {**common, **{key: value for key, value in {**replica_env, **trainer_env}.items()
                                    if key != "CUDA_VISIBLE_DEVICES"}}
         report["doctor"], report["doctor_failed"] = doctor_tables(doctor_env, proxy.url, runs)
+        report.update(task=options.task, base_model=model_name)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps({RECORD_KEY: run_record(), **report}, indent=2) + "\n")
         plot_report(metrics, out / "report.png", title=f"task {Path(options.task).stem}", device=options.device)
