@@ -120,11 +120,12 @@ test-gpu: ## The GPU tier: the Compose stack on this host's NVIDIA GPUs (needs 4
 # with GPU_PYTHON (a python with CUDA vLLM and the lorafleet packages), else .venv's; skips with one line where there
 # is no CUDA or no CUDA vLLM. GPUS=0: every replica on GPU 0 (sharing it); TRAINER_GPU=own|shared. Log: results/gpu/.
 GPU_TIER_LOG := results/gpu/gpu-processes
-test-gpu-processes: $(if $(GPU_PYTHON),,setup) ## GPU: real CUDA vLLM, proxy and trainer as processes on this host's GPUs (GPUS=0: one GPU); log in results/gpu/
+test-gpu-processes: $(if $(GPU_PYTHON),,setup) ## GPU: real CUDA vLLM, proxy and trainer as processes on this host's GPUs (GPUS=0: one GPU); log in results/gpu/, summary in bench/results/gpu-tier.json
 	@mkdir -p $(dir $(GPU_TIER_LOG))
 	set -o pipefail; $(TEST_ENV) $(if $(GPUS),LORAFLEET_TEST_GPUS=$(GPUS)) \
 	$(if $(TRAINER_GPU),LORAFLEET_TEST_TRAINER_GPU=$(TRAINER_GPU)) $(or $(GPU_PYTHON),$(BIN)/python) -m pytest -m gpu \
-	tests/gpu/test_gpu_processes.py --junitxml $(GPU_TIER_LOG).xml $(PYTEST_ARGS) 2>&1 | tee $(GPU_TIER_LOG).log
+	tests/gpu/test_gpu_processes.py --junitxml $(GPU_TIER_LOG).xml $(PYTEST_ARGS) 2>&1 | tee $(GPU_TIER_LOG).log; \
+	status=$$?; $(or $(GPU_PYTHON),$(BIN)/python) bench/gpu_tier_report.py --xml $(GPU_TIER_LOG).xml; exit $$status
 
 lint: setup ## ruff on all Python code, hadolint on every Dockerfile, and the docs site's strict build
 	$(BIN)/ruff check shared ops services tests bench tools tasks
