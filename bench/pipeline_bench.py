@@ -98,9 +98,8 @@ class Arm:
     sync_pause: str = "elide"  # the proxy's PROXY_SYNC_PAUSE (elide: its default)
 
 
-# Every proxy arm: the proxy's defaults but for its periodic canary rounds. On one CPU replica under training traffic
-# a round can find the base model's answer moved by batch noise past PROXY_CANARY_LOGPROB_TOLERANCE and quarantine
-# the fleet's only replica (503s, which TRL's own client does not wait out). The canary run at every load stays.
+# Every proxy arm: the proxy's defaults but for its periodic canary rounds, which TRL alone has no counterpart of:
+# the arms compare the data path. The canary run at every load stays.
 PROXY_SETTINGS = {"PROXY_CANARY_INTERVAL_S": "0"}
 
 
