@@ -3,11 +3,11 @@
     make demo TASK=tasks/arithmetic.py       # the task picks its model: smollm2-135m, converted on first use
     lorafleet doctor --task tasks/arithmetic.py
 
-Each prompt asks "What is a + b?"; the model answers in a few tokens. Untrained, it gets a bit under half of them right
+Each prompt asks "What is a + b?"; the model answers in a few tokens. Untrained, it gets a minority of them right
 (greedy) and writes the sum inside a sentence or an equation ("12 + 13 = 25") far more often than as the bare number
 the system prompt asks for, so both rewards start low with room to rise, and GRPO groups sampled at temperature 1
-disagree (reward variance to learn from). Harder rows (two-digit sums, then a + b - c) sit in the same stream, so the
-adaption does not stop where single-digit sums saturate.
+disagree (reward variance to learn from). Harder rows (two-digit sums, then a + b - c) sit in the same stream, so
+learning does not stop where small sums saturate. What one run reached: docs/benchmarks/real-model.md.
 
 Two rewards, summed by TRL: `correct` (1.0 when the last number of the reply is the answer) and `bare_number` (0.5
 when the reply is a number and nothing else). A row passes evaluation when its sum reaches 1.0, that is exactly when
