@@ -194,7 +194,8 @@ def test_adapters_is_mounted_at_the_same_path_everywhere_with_the_right_modes(re
     project = render(ADAPTER_ROOT=root)
     expected_root = root or default_of("adapter_root")
     # The one-shots that lay out the store, build the cpu profile's tiny (or named) model into it and write the
-    # doctor's probe adapter; model-fetch only reads it (a local BASE_MODEL under ADAPTER_ROOT). Trainers mount parts of it (below).
+    # doctor's probe adapter; model-fetch only reads it (a local BASE_MODEL under ADAPTER_ROOT). Trainers mount parts
+    # of it (below).
     writers = {"store-init", "tiny-model", "named-model", "doctor", "doctor-cpu"}
     long_running = [n for n, s in project["services"].items() if role(s) != "one-shot"]
     for name, svc in project["services"].items():
