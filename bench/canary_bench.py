@@ -8,7 +8,7 @@ through the proxy for `--seconds`: concurrent traffic, so batch composition vari
 
 - calibration: every `--sample-s` the canary's own probe (the same teacher-forced request the proxy sends) goes
   straight to both replicas at once, for the base model and both adapters. Recorded: the canary's distance (mean
-  |Δ logprob| per scored token) between the two replicas for the same subject (what batch noise does: the
+  |Δ logprob| per position) between the two replicas for the same subject (what batch noise does: the
   tolerance must sit above it) and between subjects on one replica (what other weights do: it must sit below);
 - false alarms: the proxy's own `lorafleet_proxy_canary_disagreements_total` at the end (every replica decodes
   with the right weights here, so any disagreement is a false alarm), with its rounds and probes;
@@ -136,8 +136,8 @@ async def run(args: argparse.Namespace, proxy: Service, replicas: list[Service],
                     "failures": sum(counts["failures"].values()), "failure_kinds": dict(counts["failures"]),
                     "requests_per_s": round(counts["requests"] / elapsed, 2),
                     "tokens_per_s": round(counts["tokens"] / elapsed, 1)},
-        # A probe is one prefill of the canary text and no decoding: its cost is counted in scored tokens beside
-        # the generated ones, and in requests.
+        # A probe is PROXY_CANARY_TOKENS prompts sharing a prefix, one token each: its cost is counted in positions
+        # beside the generated tokens, and in requests.
         "cost": {"scored_token_share": round(probes * args.tokens / max(counts["tokens"] + probes * args.tokens, 1),
                                              5),
                  "request_share": round(probes / max(counts["requests"] + probes, 1), 5)},

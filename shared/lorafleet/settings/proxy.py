@@ -92,8 +92,9 @@ class ProxySettings(CommonSettings, ReplicaKey):
         "model and each run's newest adapter, answers compared); 0 = only at loads and re-syncs.",
     )
     proxy_canary_tokens: int = Field(
-        32, ge=4, le=64, description="Tokens of the canary's fixed text scored per probe (teacher-forced: their "
-        "log-probabilities under the subject's weights, one prefill); more tokens average more noise away.",
+        32, ge=4, le=64, description="Positions of the canary's fixed text scored per probe (its last word prefixes "
+        "in one batched request, each scored by its greedy next token's log-probability); more average more noise "
+        "away.",
     )
     proxy_canary_logprob_tolerance: float | None = Field(
         None, ge=0, description="Largest mean log-probability difference per scored token between two replicas' "

