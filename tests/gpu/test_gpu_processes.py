@@ -271,6 +271,9 @@ class TestCanary:
             done.set()
             await asyncio.gather(*clients)
         metrics = (await http.get("/metrics")).text
+        judged = [line.split("{le=")[1] for line in metrics.splitlines()
+                  if line.startswith("lorafleet_proxy_canary_distance_nats_bucket")]
+        print(f"bf16 canary noise over {SYNCS} syncs (distances judged, cumulative by bucket): {judged}")
         assert metric_total(metrics, "lorafleet_proxy_canary_disagreements_total") == 0, "a false alarm"
         assert metric_total(metrics, "lorafleet_proxy_canary_undecided_total") == 0
         # At least one probe per replica per sync (at its load) and per round: the canary did look.
