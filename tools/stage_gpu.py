@@ -280,7 +280,9 @@ def make_venv(prefix: Path, site: Path) -> Path:
 
 
 def write_scripts(site: Path, python: Path) -> None:
-    """Console scripts of the site tree's packages (`vllm`, ...) next to the venv's python, as pip would make them."""
+    """Console scripts of the site tree's packages (`vllm`, ...) next to the venv's python, as pip would make them:
+    behind a `__main__` guard, since vLLM's engine core is a spawned process that imports the script again (without
+    the guard it runs `main()` a second time and the engine fails to start)."""
     for entry_points in site.glob("*.dist-info/entry_points.txt"):
         parser = configparser.ConfigParser(delimiters=("=",), interpolation=None)
         parser.optionxform = str  # type: ignore[assignment,method-assign]
@@ -291,7 +293,7 @@ def write_scripts(site: Path, python: Path) -> None:
             module, _, attribute = target.strip().partition(":")
             script = python.parent / name
             script.write_text(f"#!{python}\nimport sys\nfrom {module} import {attribute.split('.')[0]}\n"
-                              f"sys.exit({attribute.strip()}())\n")
+                              f"if __name__ == \"__main__\":\n    sys.exit({attribute.strip()}())\n")
             script.chmod(0o755)
 
 

@@ -216,7 +216,7 @@ async def test_a_catch_up_is_judged_with_its_peers_when_the_reference_went_stale
         assert (await fleet.load("trl-policy-v1", b"v1")).status_code == 200  # the reference, as loaded
         syncing = fleet.fakes[1]
         for fake in fleet.fakes if moved == "every replica" else [syncing]:
-            fake.faults.logprob_shift = 0.05  # beyond the float32 tolerance (0.01)
+            fake.faults.logprob_shift = 0.05  # beyond the float32 tolerance (0.02)
         async with httpx.AsyncClient(base_url=syncing.url) as direct:  # behind the proxy's back: it re-syncs
             await direct.post("/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"})
 
@@ -282,7 +282,7 @@ async def test_one_replica_is_compared_with_its_answer_at_the_first_load(fleet: 
     await until(fleet.all_ready, "the lone replica back", timeout=10)
 
 
-@pytest.mark.parametrize(("fleet", "shifts"), [(1, (0.03,)), (2, (0.03, 0.045))], indirect=["fleet"])
+@pytest.mark.parametrize(("fleet", "shifts"), [(1, (0.05,)), (2, (0.05, 0.08))], indirect=["fleet"])
 async def test_the_last_holders_whose_numbers_drift_are_rechecked_in_place_and_never_leave_routing(
         fleet: Fleet, shifts: tuple[float, ...]) -> None:
     """Every ready holder departs from the reference by a drift of the same weights' numbers (a few tolerances, as a
@@ -292,7 +292,7 @@ async def test_the_last_holders_whose_numbers_drift_are_rechecked_in_place_and_n
     assert (await fleet.load("trl-policy-v1", b"v1")).status_code == 200  # the reference, as loaded
     await fleet.proxy_fleet.canary_round()  # and the base model's: both subjects depart below
     for fake, shift in zip(fleet.fakes, shifts, strict=True):
-        fake.faults.logprob_shift = shift  # the float32 tolerance is 0.01: beyond it, within the renewal bound
+        fake.faults.logprob_shift = shift  # the float32 tolerance is 0.02: beyond it, within the renewal bound
     answers: list[httpx.Response] = []
     done = asyncio.Event()
 
@@ -329,7 +329,7 @@ async def test_a_lone_replica_at_its_catch_up_renews_a_drifted_reference_but_sta
     (the base model for the adapter) keep it out until it serves the published ones again."""
     sick = fleet.fakes[0]
     assert (await fleet.load("trl-policy-v1", b"v1")).status_code == 200
-    sick.faults.logprob_shift = 0.03
+    sick.faults.logprob_shift = 0.05  # beyond the float32 tolerance (0.02), within the renewal bound
     async with httpx.AsyncClient(base_url=sick.url) as direct:  # behind the proxy's back: it re-syncs
         await direct.post("/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"})
 

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, settings
 from lorafleet.settings import load_settings
 from lorafleet.vllm_api import PROXY_UPSTREAM_HEADER as UPSTREAM_HEADER
 from lorafleet_proxy.app import BearerAuth, create_app
-from lorafleet_proxy.canary import CANARY_TEXT
+from lorafleet_proxy.canary import greedy_prompt
 from lorafleet_proxy.schemas import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from lorafleet_testing.fakes import FakeReplica, Received, Running, start_fakes, start_server
 from pydantic import BaseModel, ValidationError
@@ -46,7 +46,7 @@ ADMIN_BODIES: dict[str, type[BaseModel]] = {"/v1/load_lora_adapter": LoadLoRAAda
                                             "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest}
 # Reads the proxy makes on its own (health checks, adapter and metrics polls): harmless, and not caused by a case.
 BACKGROUND = {("GET", path) for path in ("/health", "/v1/models", "/metrics", "/server_info", "/is_paused")}
-CANARY_BODY = CANARY_TEXT.encode()  # the agreement canary's own probes (every PROXY_CANARY_INTERVAL_S)
+CANARY_BODY = greedy_prompt().encode()  # in every agreement-canary probe (every PROXY_CANARY_INTERVAL_S)
 
 
 @dataclass

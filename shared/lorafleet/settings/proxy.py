@@ -92,14 +92,14 @@ class ProxySettings(CommonSettings, ReplicaKey):
         "model and each run's newest adapter, answers compared); 0 = only at loads and re-syncs.",
     )
     proxy_canary_tokens: int = Field(
-        32, ge=4, le=64, description="Positions of the canary's fixed text scored per probe (its last word prefixes "
-        "in one batched request, each scored by its greedy next token's log-probability); more average more noise "
-        "away.",
+        16, ge=4, le=64, description="Positions scored per canary probe of 16-bit replicas: word prefixes of its "
+        "fixed text, one greedy token each (float32 replicas get one 4-token greedy continuation). More average more "
+        "noise away and cost more per probe.",
     )
     proxy_canary_logprob_tolerance: float | None = Field(
         None, ge=0, description="Largest mean log-probability difference per scored token between two replicas' "
         "canary answers that still counts as the same weights. Unset: the noise bound measured for the replicas' "
-        "dtype, 0.01 in float32 and 0.1 in bfloat16 or float16 "
+        "dtype, 0.02 in float32 and 0.1 in bfloat16 or float16 "
         "(docs/concepts/provenance.md#the-agreement-canary).",
     )
     proxy_canary_timeout_s: float = Field(

@@ -49,7 +49,7 @@ from lorafleet.ports import free_port
 from lorafleet.vllm_api import error_body
 from lorafleet_proxy.admission import WARM_UP_PROMPT
 from lorafleet_proxy.app import BearerAuth, ProxyApp
-from lorafleet_proxy.canary import canary_prompts
+from lorafleet_proxy.canary import canary_prompts, greedy_prompt
 from lorafleet_proxy.server_protocol import CoalescingHttpToolsProtocol
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -295,7 +295,7 @@ class FakeReplica:
                                                    "finish_reason": "length", "stop_reason": None}],
                       "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}, "served_by": self.url,
                       "served_fingerprint": self.fingerprints.get(model, ""), "decoded_with": self.decoded_with(model)}
-            if is_canary(body.get("prompt")):
+            if is_canary(body.get("prompt")) and isinstance(body["prompt"], list):
                 answer["choices"] = canary_choices(self.decoded_with(model), self.faults.logprob_shift,
                                                    len(body["prompt"]))
             if self.faults.die_mid_request:
@@ -346,8 +346,9 @@ def logprobs(weights: str) -> list[float]:
 
 
 def is_canary(prompt: Any) -> bool:
-    """Whether a completion's prompt is the agreement canary's batch of word prefixes."""
-    return isinstance(prompt, list) and bool(prompt) and prompt == canary_prompts(len(prompt))
+    """Whether a completion's prompt is the agreement canary's: its greedy prompt, or its batch of word prefixes."""
+    return prompt == greedy_prompt() or (isinstance(prompt, list) and bool(prompt)
+                                         and prompt == canary_prompts(len(prompt)))
 
 
 def canary_choices(weights: str, shift: float, count: int) -> list[dict[str, Any]]:

