@@ -7,9 +7,10 @@ and B = k * learning-rate * a fixed random sign per entry, the most an Adam step
 its sign, so the distance from the base model to step k is the distance between two versions k steps apart (to
 first order); and one fully random adapter (other weights). `--clients` closed-loop clients per replica sample
 completions (temperature 1, the base model or an adapter at random) for `--seconds`, so batch composition varies
-under every probe. Every `--sample-s` the canary's own probe (`Canary.request`, teacher-forced, PROXY_CANARY_TOKENS
-scored positions) goes to both replicas at once for every subject; a first round before the traffic starts gives
-each replica's answer alone. Recorded, in mean |Δ logprob| per position (the canary's `distance`):
+under every probe. Every `--sample-s` the canary's own probe for the dtype (`Canary.request`: in 16 bits
+teacher-forced, PROXY_CANARY_TOKENS scored positions; in float32 one greedy continuation compared through its first
+parting, as the proxy judges them) goes to both replicas at once for every subject; a first round before the
+traffic starts gives each replica's answer alone. Recorded, in mean |Δ logprob| per position (the canary's `distance`):
 - noise: the same subject on the two replicas at the same moment (busy vs busy), and one replica busy against its
   own answer alone;
 - signal: on one replica at one moment, the base model against each step-k adapter and the random adapter;
@@ -39,7 +40,7 @@ from lorafleet_ops.peft_adapter import write_lora_adapter
 from lorafleet_ops.placement import detect_gpus, plan
 from lorafleet_ops.processes import Service, replica_service, start_in_waves
 from lorafleet_ops.tiny_model import make_tiny_model
-from lorafleet_proxy.canary import Canary, CanaryAnswer, parse_answer, tolerance_for
+from lorafleet_proxy.canary import GREEDY_TOKENS, Canary, CanaryAnswer, full_precision, parse_answer, tolerance_for
 from lorafleet_proxy.metrics import Metrics
 
 RANDOM = "random"  # the subject of other weights altogether
@@ -81,23 +82,29 @@ async def traffic(url: str, models: list[str], end: float, max_tokens: int, seed
             counts["ok" if answer.status_code == 200 else "failed"] += 1
 
 
-async def probe_round(http: httpx.AsyncClient, canary: Canary, urls: list[str],
-                      models: dict[str, str]) -> dict[str, dict[str, CanaryAnswer]]:
+async def probe_round(http: httpx.AsyncClient, canary: Canary, urls: list[str], models: dict[str, str],
+                      forced: bool) -> dict[str, dict[str, CanaryAnswer]]:
     """subject -> replica URL -> answer, every probe sent at once."""
     pairs = [(subject, url) for subject in models for url in urls]
-    bodies = await asyncio.gather(*(http.post(url + "/v1/completions", json=canary.request(models[subject]))
+    bodies = await asyncio.gather(*(http.post(url + "/v1/completions", json=canary.request(models[subject], forced))
                                     for subject, url in pairs))
     answers: dict[str, dict[str, CanaryAnswer]] = {}
     for (subject, url), body in zip(pairs, bodies, strict=True):
         body.raise_for_status()
-        answers.setdefault(subject, {})[url] = parse_answer(body.json(), canary.tokens)
+        answers.setdefault(subject, {})[url] = parse_answer(body.json(), scored(canary, forced), forced)
     return answers
+
+
+def scored(canary: Canary, forced: bool) -> int:
+    """Positions one probe scores: a prompt each when teacher-forced, else the greedy continuation's tokens."""
+    return canary.tokens if forced else GREEDY_TOKENS
 
 
 async def measure(args: argparse.Namespace, urls: list[str], models: dict[str, str], base: str) -> dict[str, Any]:
     canary = Canary(StackSettings(_env_file=None), Metrics())
+    forced = not full_precision([args.dtype])
     async with httpx.AsyncClient(timeout=300) as http:
-        alone = await probe_round(http, canary, urls[:1], models)  # before any traffic: each answer alone
+        alone = await probe_round(http, canary, urls[:1], models, forced)  # before any traffic: each answer alone
         counts = {"ok": 0, "failed": 0}
         end = time.monotonic() + args.seconds
         clients = [asyncio.create_task(traffic(url, list(models.values()), end, args.max_tokens, seed, counts))
@@ -106,7 +113,7 @@ async def measure(args: argparse.Namespace, urls: list[str], models: dict[str, s
         await asyncio.sleep(min(2.0, args.seconds / 10))  # the batches fill first
         while time.monotonic() < end:
             started = time.monotonic()
-            rounds.append(await probe_round(http, canary, urls, models))
+            rounds.append(await probe_round(http, canary, urls, models, forced))
             await asyncio.sleep(max(args.sample_s - (time.monotonic() - started), 0))
         await asyncio.gather(*clients)
     first, second = urls[0], urls[1]
@@ -115,7 +122,7 @@ async def measure(args: argparse.Namespace, urls: list[str], models: dict[str, s
     signal = {subject: [answers[subject][url].distance(answers[base][url]) for answers in rounds for url in urls]
               for subject in models if subject != base}
     return {"rounds": len(rounds), "traffic": counts, "between_replicas": between, "busy_vs_alone": self_busy,
-            "from_base": signal, "tokens": canary.tokens}
+            "from_base": signal, "tokens": scored(canary, forced), "probe": "teacher-forced" if forced else "greedy"}
 
 
 def headroom(noise_max: float) -> float:
@@ -194,7 +201,7 @@ def main() -> int:
             replica.stop()
     result = {RECORD_KEY: run_record(), "device": args.device, "dtype": args.dtype, "model": model.name,
               "seconds": args.seconds, "clients_per_replica": args.clients, "lr": args.lr, "rank": args.rank,
-              "scored_tokens": raw["tokens"], "rounds": raw["rounds"], "traffic": raw["traffic"],
+              "probe": raw["probe"], "scored_tokens": raw["tokens"], "rounds": raw["rounds"], "traffic": raw["traffic"],
               "noise": {"between_replicas": summary(raw["between_replicas"]),
                         "busy_vs_alone": summary(raw["busy_vs_alone"])},
               "from_base": {name: summary(values) for name, values in raw["from_base"].items() if name != base},
