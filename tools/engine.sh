@@ -7,7 +7,7 @@
 #
 #   eval "$(tools/engine.sh start)"   # installs what is missing, starts dockerd, prints the exports to use it
 #   tools/engine.sh stop              # stops that dockerd by its pid and removes its state (safe to call twice)
-#   tools/engine.sh check             # exit 0 when an engine answers; else one line naming what is missing
+#   tools/engine.sh check             # exit 0 when an engine fit for the stack answers; else one line naming why not
 #
 # ENGINE_DIR (default /tmp/lorafleet-engine) holds the daemon's state, socket, pid file and log. Needs root.
 set -euo pipefail
@@ -114,7 +114,7 @@ older() {  # older VERSION MINIMUM: true when VERSION (leading v and any suffix 
 }
 
 check() {
-  local engine compose
+  local engine compose system
   command -v docker >/dev/null 2>&1 || { echo "no docker CLI on PATH (tools/engine.sh start installs Debian's docker.io)"; return 1; }
   engine=$(docker version --format '{{.Server.Version}}' 2>/dev/null) \
     || { echo "no Docker engine answers at ${DOCKER_HOST:-the default socket} (start one: eval \"\$(tools/engine.sh start)\")"; return 1; }
@@ -126,6 +126,12 @@ check() {
   if older "$compose" "$MIN_COMPOSE"; then
     echo "Docker Compose $compose is too old: lorafleet needs Compose v$MIN_COMPOSE or newer; upgrade docker-compose-plugin"; return 1
   fi
+  # A trainer mounts its own run's folder as a bind of the adapters volume's directory on the engine's host
+  # (ADAPTERS_DIR); Docker Desktop's engine lives in a VM and binds paths of the desktop's file sharing instead.
+  system=$(docker info --format '{{.OperatingSystem}}' 2>/dev/null || true)
+  case "$system" in *"Docker Desktop"*)
+    echo "Docker Desktop ($system) cannot give a trainer its own run's folder: the per-run binds of the adapters volume's directory (ADAPTERS_DIR) live in its VM, not on the desktop's file sharing; run the stack on a Linux host's Docker Engine"; return 1 ;;
+  esac
 }
 
 case "${1:-}" in

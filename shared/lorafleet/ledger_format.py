@@ -16,9 +16,11 @@ single-run proxy wrote before runs existed (so a downgraded proxy still reads it
      "adapters": [{"name": "trl-policy-v7", "path": "/adapters/runs/r/.vllm_lora/trl-policy-v7",
                    "fingerprint": "sha256:<hex>" | ""}, ...]}
 
-`adapters` is in load order. `fingerprint` identifies the adapter's content (see `fingerprint`); ""
-means unknown (the proxy could not read the directory, or the entry came from a version-1 file).
-`paused` is the fleet's pause state: a restarted proxy keeps a paused fleet paused.
+`adapters` is in load order. A named run's entry must lie in that run's folder (`runs/<run>/`, symlinks followed), as
+its load had to: an entry elsewhere is dropped when the file is read, never loaded into a replica. `fingerprint`
+identifies the adapter's content (see `fingerprint`); "" means unknown (the proxy could not read the directory, or
+the entry came from a version-1 file). `paused` is the fleet's pause state: a restarted proxy keeps a paused
+fleet paused.
 
 Version 1 (`{"version": 1, "adapters": [{"name", "path"}]}`) is read as: the same adapters with
 unknown fingerprints, and the fleet not paused (version 1 never recorded a pause). Versions 1 and 2
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorafleet.adapters import AdapterNameError, AdapterPathError, check_adapter_name, confine, fleet_dir
+from lorafleet.adapters import AdapterNameError, AdapterPathError, check_adapter_name, confine, fleet_dir, run_dir
 from lorafleet.runs import DEFAULT_RUN, RunNameError, check_run_name, run_of, run_slots
 
 LEDGER_FILE = "proxy-ledger.json"
@@ -123,9 +125,25 @@ def fingerprint(adapter: str | os.PathLike[str]) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
+def check_run_folder(path: str, run: str, adapter_root: Path) -> str:
+    """`path` resolved inside `adapter_root`, and inside `runs/<run>/` for a named run; else AdapterPathError.
+
+    The proxy confines a named run's loads to its own folder (lorafleet_proxy.runs.confinement); an entry that names
+    another folder was written by something else, and loading it would serve another run's weights under this run's
+    name. The default run's folders depend on the fleet's run keys, so only the root holds it here."""
+    resolved = confine(path, adapter_root)
+    if run == DEFAULT_RUN:
+        return str(resolved)
+    folder = run_dir(Path(adapter_root).resolve(), run)
+    if resolved != folder and folder not in resolved.parents:
+        raise AdapterPathError(f"path {path!r} of run {run!r} resolves to {resolved}, outside its folder {folder}/")
+    return str(resolved)
+
+
 def parse(text: str | bytes, adapter_root: Path) -> LedgerState:
     """A ledger file's content -> state. Raises LedgerFileError when the file as a whole is unusable;
-    single entries with a bad name or a path outside `adapter_root` are dropped (listed in `dropped`)."""
+    single entries with a bad name, a path outside `adapter_root` or outside their named run's folder are dropped
+    (listed in `dropped`)."""
     try:
         payload = json.loads(text)
     except ValueError as exc:
@@ -144,13 +162,13 @@ def parse(text: str | bytes, adapter_root: Path) -> LedgerState:
             if not isinstance(item, dict):
                 raise AdapterNameError("entry is not an object")
             name = check_adapter_name(item.get("name"))
-            path = str(confine(str(item.get("path", "")), adapter_root))
             digest = item.get("fingerprint", "")
             if not isinstance(digest, str):
                 raise AdapterPathError(f"fingerprint {digest!r} is not a string")
             run = item.get("run", DEFAULT_RUN)
             if run != run_of(name)[0]:
                 raise AdapterNameError(f"run {run!r} does not own the name {name!r}")
+            path = check_run_folder(str(item.get("path", "")), run, adapter_root)
         except (AdapterNameError, AdapterPathError) as exc:
             state.dropped.append(f"{item!r}: {exc}")
             continue

@@ -71,12 +71,18 @@ def read_keys(directory: Path) -> dict[str, str]:
     return keys
 
 
-def provision(directory: Path, run: str, *, rotate: bool = False) -> str:
+def provision(directory: Path, run: str, *, rotate: bool = False, run_name: str | None = None) -> str:
     """Mint a key for `run`, store its digest in `directory` (created if missing) and return the key. An existing
-    key is kept (RunKeyError) unless `rotate`: a second trainer must not lock the first one out by accident."""
+    key is kept (RunKeyError) unless `rotate`: a second trainer must not lock the first one out by accident.
+
+    `run_name`: the fleet's RUN_NAME, the default run's folder. A key by that name is refused: its holder would load
+    from `runs/<RUN_NAME>/` as a named run, the folder of the keyless default run's trainer."""
     check_run_name(run)
     if run == DEFAULT_RUN:
         raise RunKeyError("the default run has no key (it is the fleet's own, without a prefix)")
+    if run == run_name:
+        raise RunKeyError(f"run {run!r} is the fleet's RUN_NAME, the default run's folder runs/{run}/: a key by that "
+                          "name would open that folder to a named run; name the run otherwise (or set RUN_NAME)")
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / run
     if path.exists() and not rotate:

@@ -13,6 +13,7 @@ import re
 from urllib.parse import urlsplit
 
 DEFAULT_RUN = "default"  # a trainer without a run identity; its adapter names are not qualified
+RUN_NAME_DEFAULT = "run1"  # RUN_NAME's default: the folder of the default run's trainer, so never a keyed run's name
 RUN_SEPARATOR = "--"
 RUN_URL_PREFIX = "/runs/"
 BUDGET_ERROR = "SlotBudgetExceeded"  # the error type of the proxy's 409 for a run that does not fit the slot budget

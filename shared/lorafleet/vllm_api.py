@@ -18,6 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 PauseMode = Literal["abort", "wait", "keep"]
 # Set by lorafleet's proxy on every routed answer: the base URL of the replica that answered.
 PROXY_UPSTREAM_HEADER = "X-Proxy-Upstream"
+# Set on every generation answer (docs/concepts/provenance.md): the weights asked for, by fleet name, and for an
+# adapter the fingerprint of the content the answering replica loaded under that name. The trainer reads both.
+PROXY_ADAPTER_HEADER = "X-Lorafleet-Adapter"
+PROXY_FINGERPRINT_HEADER = "X-Lorafleet-Fingerprint"
 
 
 class VLLMError(Exception):

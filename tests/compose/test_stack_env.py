@@ -213,13 +213,15 @@ def test_make_up_builds_the_replica_image_first_then_waits(tmp_path: Path) -> No
 # --- the engine: versions and what is missing ------------------------------------------------------------------
 
 
-def fake_docker(tmp_path: Path, engine: str, compose: str) -> dict[str, str]:
-    """A docker CLI on PATH that reports these versions (no engine here)."""
+def fake_docker(tmp_path: Path, engine: str, compose: str, system: str = "Debian GNU/Linux 12 (bookworm)") \
+        -> dict[str, str]:
+    """A docker CLI on PATH that reports these versions and operating system (no engine here)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     script = bin_dir / "docker"
     script.write_text("#!/bin/sh\n"
-                      f'case "$1" in version) echo "{engine}";; compose) echo "{compose}";; *) exit 1;; esac\n')
+                      f'case "$1" in version) echo "{engine}";; compose) echo "{compose}";; info) echo "{system}";; '
+                      '*) exit 1;; esac\n')
     script.chmod(0o755)
     return {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
 
@@ -242,6 +244,20 @@ def test_engine_check_names_the_minimum_versions(tmp_path: Path, engine: str, co
     else:
         assert done.returncode == 1 and done.stdout.strip().startswith(expected), done.stdout + done.stderr
         assert len(done.stdout.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("system", ["Docker Desktop", "Docker Desktop 4.38.0 (181591)"])
+def test_engine_check_refuses_docker_desktop_for_the_per_run_binds(tmp_path: Path, system: str) -> None:
+    """A trainer's folder is a bind of the adapters volume's directory on the engine's host: Docker Desktop's engine
+    is in a VM, so `make up` and `make train` stop at the check naming why, before any container starts."""
+    done = subprocess.run(["bash", str(REPO / "tools" / "engine.sh"), "check"], env=fake_docker(tmp_path, "28.0.1",
+                          "2.33.1", system), capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 1 and done.stdout.startswith(f"Docker Desktop ({system}) cannot give a trainer its own "
+                                                           "run's folder"), done.stdout + done.stderr
+    assert "ADAPTERS_DIR" in done.stdout and len(done.stdout.strip().splitlines()) == 1
+    dry = subprocess.run(["make", "-n", "train", "RUN=b", "CPU=1"], cwd=REPO, capture_output=True, text=True,
+                         timeout=30, check=True).stdout.splitlines()
+    assert dry.index("bash tools/engine.sh check") < min(i for i, line in enumerate(dry) if "compose" in line), dry
 
 
 def test_the_stack_guide_states_engine_sh_minimum_versions() -> None:

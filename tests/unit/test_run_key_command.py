@@ -46,14 +46,32 @@ def test_a_key_file_is_private_and_the_key_is_not_printed(tmp_path: Path, capsys
     (["run-key", "b"], "RUN_KEYS_DIR: not set"),
     (["run-key", "bad--name", "--dir", "."], "invalid run name"),
     (["run-key", "default", "--dir", "."], "the default run has no key"),
+    (["run-key", "run1", "--dir", "."], "'run1' is the fleet's RUN_NAME, the default run's folder runs/run1/"),
+    (["run-key", "b", "--dir", ".", "--run-name", "b"], "'b' is the fleet's RUN_NAME"),
+    (["run-key", "b", "--dir", ".", "--run-name", "b", "--rotate"], "'b' is the fleet's RUN_NAME"),
 ])
 def test_bad_input_exits_2_naming_it_and_writes_nothing(argv: list[str], message: str, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("RUN_KEYS_DIR", raising=False)
+    monkeypatch.delenv("RUN_NAME", raising=False)
     assert main(argv) == 2
     assert message in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+
+
+def test_no_key_is_named_for_the_fleets_run_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A key named like RUN_NAME would let a named run load from the default run's folder: refused, whether RUN_NAME
+    comes from the environment or from the stack's .env through make (which passes it as --run-name)."""
+    monkeypatch.setenv("RUN_NAME", "b")
+    assert main(["run-key", "b", "--dir", str(tmp_path)]) == 2 and not (tmp_path / "b").exists()
+    assert "RUN_NAME" in capsys.readouterr().err
+    assert main(["run-key", "run1", "--dir", str(tmp_path)]) == 0 and (tmp_path / "run1").exists()
+    for target in ("train", "run-key"):
+        dry = subprocess.run(["make", "-n", target, "RUN=c", "CPU=1"], cwd=SHARED.parent, capture_output=True,
+                             text=True, timeout=30, check=True, env={**os.environ, "RUN_NAME": "stack"}).stdout
+        assert "-m lorafleet_ops.commands.run_key c --dir run-keys/hashes" in dry and "--run-name stack" in dry, dry
 
 
 def test_it_runs_on_the_standard_library_alone(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ def test_run_urls() -> None:
 def test_ledger_v3_keeps_runs_and_each_entrys_run_and_v2_stays_for_a_single_run(tmp_path: Path) -> None:
     state = LedgerState(paused=None, runs={"b": RunRecord(1, 2.0, "wait")})
     state.adapters["trl-policy-v1"] = Entry(str(tmp_path / "d"), "sha256:1")
-    state.adapters["b--trl-policy-v1"] = Entry(str(tmp_path / "b"), "sha256:2", "b")
+    state.adapters["b--trl-policy-v1"] = Entry(str(tmp_path / "runs" / "b" / "v1"), "sha256:2", "b")
     payload = json.loads(serialize(state))
     assert payload["version"] == 3 and payload["runs"] == {"b": {"max_staleness": 1, "weight": 2.0, "paused": "wait"}}
     assert [(e["name"], e["run"]) for e in payload["adapters"]] == [("trl-policy-v1", "default"),
@@ -67,6 +67,6 @@ def test_an_unusable_runs_section_makes_the_ledger_unusable(tmp_path: Path, runs
 def test_an_entry_whose_run_does_not_own_its_name_is_dropped(tmp_path: Path) -> None:
     text = json.dumps({"version": 3, "runs": {}, "adapters": [
         {"name": "a--x", "run": "b", "path": str(tmp_path / "x"), "fingerprint": ""},
-        {"name": "a--y", "run": "a", "path": str(tmp_path / "y"), "fingerprint": ""}]})
+        {"name": "a--y", "run": "a", "path": str(tmp_path / "runs" / "a" / "y"), "fingerprint": ""}]})
     state = parse(text, tmp_path)
     assert list(state.adapters) == ["a--y"] and state.adapters["a--y"].run == "a" and len(state.dropped) == 1

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from lorafleet.run_key_store import RunKeyError, provision, write_private
-from lorafleet.runs import RunNameError
+from lorafleet.runs import RUN_NAME_DEFAULT, RunNameError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-file", type=Path, default=None,
                         help="write the key to this file (mode 0600, for TRAINER_RUN_KEY_FILE) instead of printing it")
     parser.add_argument("--rotate", action="store_true", help="replace the run's existing key")
+    parser.add_argument("--run-name", default=os.environ.get("RUN_NAME") or RUN_NAME_DEFAULT,
+                        help="the fleet's RUN_NAME, the default run's folder, which no key may be named for "
+                        f"(default: $RUN_NAME, else {RUN_NAME_DEFAULT})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        key = provision(Path(args.dir), args.run, rotate=args.rotate)
+        key = provision(Path(args.dir), args.run, rotate=args.rotate, run_name=args.run_name)
     except (RunKeyError, RunNameError) as exc:
         print(f"lorafleet run-key: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 from lorafleet.adapters import policy_version
+from lorafleet.ratio_outliers import METRICS_KEY, outliers, pooled, read_rows
 from lorafleet.runs import DEFAULT_RUN, RUN_SEPARATOR, run_of
 from lorafleet.settings import StackSettings
 
@@ -100,6 +101,26 @@ def render_runs(fleet: dict[str, Any]) -> list[str]:
     return lines
 
 
+def render_ratio_by_replica(metrics: list[dict[str, Any]]) -> list[str]:
+    """The latest window's importance ratio per (replica, version), the fleet's beside it, outliers marked."""
+    step = next((row for row in reversed(metrics) if row.get(METRICS_KEY)), None)
+    if step is None:
+        return []
+    rows = read_rows(step[METRICS_KEY])
+    odd = {(found.replica, found.version): found for found in outliers(rows)}
+    tokens, mean, std = pooled(rows)
+    lines = [f"ratio by replica (step {step.get('step', '?')}; fleet ratio {fmt(step.get('ratio'), '.4f')}, "
+             f"log-ratio {mean:+.5f} ± {std:.5f} over {tokens} tokens):",
+             f"  {'REPLICA':<32} {'VERSION':>7} {'TOKENS':>7} {'LOG-RATIO':>10} {'|LOG-RATIO|':>11} {'SPREAD':>8} "
+             f"{'RATIO':>7}"]
+    for row in rows:
+        flag = odd.get((row.replica, row.version))
+        lines.append(f"  {row.replica:<32} {'v' + str(row.version):>7} {row.tokens:>7} {row.log_ratio_mean:>+10.5f} "
+                     f"{row.abs_log_ratio_mean:>11.5f} {row.log_ratio_std:>8.5f} {row.ratio_mean:>7.4f}"
+                     + (f"  OUTLIER (bound {flag.bound:.4f})" if flag else ""))
+    return lines
+
+
 def render_status(fleet: dict[str, Any], url: str, metrics: list[dict[str, Any]] | None = None) -> str:
     replicas = fleet.get("replicas", [])
     ready = sum(1 for r in replicas if r.get("state") == "ready")
@@ -134,6 +155,7 @@ def render_status(fleet: dict[str, Any], url: str, metrics: list[dict[str, Any]]
             f"queue {fmt(latest(metrics, 'sample/rollout_queue_size'), '.0f')}  "
             f"sync {fmt(latest(metrics, 'perf/weight_sync_s'), '.2f')}s"
         )
+        lines += render_ratio_by_replica(metrics)
     else:
         lines.append("training: no metrics logged yet")
     return "\n".join(lines)

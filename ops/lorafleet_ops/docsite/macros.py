@@ -223,7 +223,7 @@ def define_env(env: Any) -> None:
     calls: dict[str, Callable[..., str]] = {"bench_meta": results.meta, "bench_value": results.value,
                                             "bench_ratio": results.ratio, "bench_table": results.table,
                                             "bench_plot": results.plot, "bench_exists": results.exists}
-    calls.update(canary_tolerance=canary_tolerance, canary_renewable=canary_renewable)
+    calls.update(canary_tolerance=canary_tolerance, canary_renewable=canary_renewable, ratio_departure=ratio_departure)
     for name, call in calls.items():
         env.macro(call, name)
 
@@ -240,6 +240,15 @@ def canary_renewable() -> str:
     from lorafleet_proxy.canary import RENEWABLE_TOLERANCES
 
     return f"{RENEWABLE_TOLERANCES:g}"
+
+
+def ratio_departure(what: str) -> str:
+    """The judgment of a replica's ratio (lorafleet.ratio_outliers): its `floor` (nats), `sigmas` or `min_tokens`."""
+    from lorafleet import ratio_outliers
+
+    values = {"floor": ratio_outliers.DEPARTURE_FLOOR_NATS, "sigmas": ratio_outliers.DEPARTURE_SIGMAS,
+              "min_tokens": ratio_outliers.MIN_TOKENS}
+    return f"{values[what]:g}"
 
 
 def _rows(items: Any, wanted: Sequence[str | int] | None) -> list[tuple[str | int, Any]]:

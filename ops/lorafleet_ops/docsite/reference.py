@@ -182,6 +182,7 @@ def trainer_registry(volume: Path) -> Any:
     metrics = exporter.TrainerMetrics(lora_root)
     window = dict.fromkeys([*exporter.GAUGES, *exporter.DURATIONS, f"{exporter.TRAIN_BY_FUNCTION}f",
                             f"{exporter.EVAL_BY_FUNCTION}f", "sample/dropped_stale_total"], 1.0)
+    window[exporter.METRICS_KEY] = [dict.fromkeys(["tokens", *exporter.BY_REPLICA], 1) | {"replica": "r", "version": 1}]
     metrics.record(window, step=1)
     return metrics.registry
 

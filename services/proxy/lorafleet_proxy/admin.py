@@ -25,6 +25,7 @@ from .runs import Runs, foreign_name, not_its_own
 from .schemas import (
     LoadLoRAAdapterRequest,
     PauseMode,
+    RatioReportRequest,
     RegisterRunRequest,
     ResetPrefixCacheQuery,
     UnloadLoRAAdapterRequest,
@@ -52,6 +53,7 @@ class AdminPlane:
             ("/v1/load_lora_adapter", "POST", self.load_lora_adapter),
             ("/v1/unload_lora_adapter", "POST", self.unload_lora_adapter),
             ("/register", "POST", self.register),
+            ("/ratio_report", "POST", self.ratio_report),
             ("/pause", "POST", self.pause),
             ("/resume", "POST", self.resume),
             ("/reset_prefix_cache", "POST", self.reset_prefix_cache),
@@ -90,6 +92,20 @@ class AdminPlane:
     async def register(self, request: Request, body: RegisterRunRequest) -> Response:
         """lorafleet's own: reserve a run's LoRA slots (max_staleness + 2) and set its fair-share weight."""
         return await self.runs.register(self.runs.of(request.scope), body.max_staleness, body.weight)
+
+    async def ratio_report(self, request: Request, body: RatioReportRequest) -> Response:
+        """lorafleet's own: a run reports a replica whose rollouts of one of its adapters depart from its peers'.
+        Treated as a canary disagreement (Fleet.ratio_report); a run reports on its own adapters only."""
+        run, name = self.runs.of(request.scope), body.lora_name
+        if foreign_name(run, name):
+            return not_its_own(run, name)
+        qualified = self.runs.qualify(run, name)
+        if self.fleet.recorded(qualified) is None:
+            return adapter_not_found(name)
+        if body.replica not in self.fleet.replicas:
+            return error(404, f"no replica {body.replica!r} in the fleet", "NotFoundError", "replica")
+        outcome = await self.fleet.ratio_report(self.fleet.replicas[body.replica], qualified, body.evidence)
+        return JSONResponse({"replica": body.replica, "lora_name": name, "outcome": outcome})
 
     async def pause(self, request: Request, mode: PauseMode = "abort") -> Response:
         if self.elision.elide_pause(request.scope, mode, self.runs.of(request.scope)):

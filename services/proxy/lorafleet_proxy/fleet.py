@@ -316,6 +316,22 @@ class Fleet:
         log.error("replica quarantined by the canary url=%s subject=%s: %s", replica.url, subject or "base", reason)
         self.resync(replica, f"canary: {reason}")
 
+    async def ratio_report(self, replica: Replica, subject: str, evidence: str) -> str:
+        """A trainer's importance ratio says `replica` decodes `subject` with other weights than its peers: a canary
+        disagreement. Out of routing and re-synced ("quarantined") while another ready replica serves the subject;
+        the last ready holder is only re-checked by the canary, which alone may take it out ("rechecked")."""
+        reason = f"importance ratio: {evidence}"
+        log.error("ratio report url=%s subject=%s: %s", replica.url, subject, evidence)
+        if replica.state is not State.READY:
+            return replica.state.value  # out of routing already: its catch-up ends with the canary's probe
+        if subject not in replica.adapters:
+            return "not_loaded"  # unloaded since: nothing of it to doubt
+        if any(other is not replica and subject in other.adapters for other in self.ready()):
+            self.quarantine(replica, subject, reason)
+            return "quarantined"
+        await self._canary.recheck(subject, [replica], reason)
+        return "quarantined" if replica.state is not State.READY else "rechecked"
+
     # --- reports and rounds, each done by its job's module ----------------------------------------
     async def health_round(self) -> None:
         """Check every replica, rebuild an unreadable ledger (health.py), close retired pools; the heartbeat moves."""

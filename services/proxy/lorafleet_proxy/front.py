@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 from lorafleet.runs import RunNameError
-from lorafleet.vllm_api import PROXY_UPSTREAM_HEADER
+from lorafleet.vllm_api import PROXY_ADAPTER_HEADER, PROXY_FINGERPRINT_HEADER, PROXY_UPSTREAM_HEADER
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -43,9 +43,9 @@ UPSTREAM_HEADER = PROXY_UPSTREAM_HEADER.lower().encode()  # which replica answer
 # Provenance of a generation answer (docs/concepts/provenance.md): the weights that produced it, by their fleet name (an
 # adapter's fleet-unique name, or the base model's), the run it was served for, and for an adapter the content
 # fingerprint the replica loaded it with (two versions under one name differ there).
-ADAPTER_HEADER = b"x-lorafleet-adapter"
+ADAPTER_HEADER = PROXY_ADAPTER_HEADER.lower().encode()
 RUN_HEADER = b"x-lorafleet-run"
-FINGERPRINT_HEADER = b"x-lorafleet-fingerprint"
+FINGERPRINT_HEADER = PROXY_FINGERPRINT_HEADER.lower().encode()
 
 
 class StreamBroken(Exception):

@@ -50,6 +50,15 @@ class RegisterRunRequest(BaseModel):
     weight: float = Field(1.0, gt=0, le=1e6, description="Fair-share weight: generation throughput in proportion.")
 
 
+class RatioReportRequest(BaseModel):
+    """POST /ratio_report (lorafleet's own): a trainer's evidence that one replica decodes one of the run's adapters
+    with other weights than its peers (its importance ratio departs: docs/concepts/provenance.md)."""
+
+    replica: str = Field(min_length=1, max_length=2048, description="The replica's URL, as X-Proxy-Upstream names it.")
+    lora_name: AdapterName = Field(description="The run's adapter the replica departs on, by the run's own name.")
+    evidence: str = Field(min_length=1, max_length=4096, description="What the trainer measured (logged as given).")
+
+
 class ResetPrefixCacheQuery(BaseModel):
     """Query of POST /reset_prefix_cache (vLLM 0.31's dev route)."""
 

@@ -7,6 +7,8 @@ first turn used, for as long as the fleet still serves it: TRL unloads version v
 publishes v, a moment before the rollout process learns v, so a pin is kept while at most max_staleness - 1 newer
 versions exist and moves to the newest after that (counted as mixed). `episodes/mixed_versions_frac` in the
 metrics is the share of multi-turn episodes whose turns used more than one version, pinned or not.
+
+An episode also keeps who answered each turn (provenance.Answer, noted by FleetRolloutLoop): its sample carries them.
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ from __future__ import annotations
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+from lorafleet_trainer.provenance import Answer
+
 MIXED_METRIC = "episodes/mixed_versions_frac"
 
 
 @dataclass
 class Episode:
-    """The adapter versions one rollout's turns asked for."""
+    """The adapter versions one rollout's turns asked for, and who answered them."""
 
     pinned: int | None = None
     versions: list[int] = field(default_factory=list)
+    answers: list[Answer] = field(default_factory=list)
 
     def version_for(self, newest: int, *, pin: bool, max_staleness: int) -> int:
         """The version this turn decodes with, given the newest published one."""

@@ -4,7 +4,9 @@ Fed by the same hook as metrics.jsonl (transformers' `on_log`), so Prometheus an
 same numbers. A logged window is reduced by TRL (means, sums for `*_total`, extrema): gauges hold
 the last window's value and appear only once logged (no made-up zero before the first step);
 durations are histograms of the logged values; dropped stale samples a counter. The current
-policy version is the newest `trl-policy-vN` published under the run's `.vllm_lora` folder.
+policy version is the newest `trl-policy-vN` published under the run's `.vllm_lora` folder. The ratio per replica
+(`ratio_by_replica` rows, ratio_by_replica.py) is a gauge per `replica` and `version` label, kept for the newest
+REPLICA_VERSIONS_KEPT versions only, so the series stay bounded over a run of thousands of versions.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from lorafleet.adapters import lora_dir, policy_version
 from lorafleet.logs import log_event
+from lorafleet.ratio_outliers import METRICS_KEY, ReplicaRatio, read_rows
 from lorafleet.settings import TrainerSettings
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -43,6 +46,21 @@ GAUGES = {
     "eval/reward": ("lorafleet_trainer_eval_reward", "Mean greedy reward over the task's eval set (last eval)."),
     "eval/model_version": ("lorafleet_trainer_eval_policy_version", "Policy version the last eval scored."),
 }
+# ReplicaRatio's field -> (gauge name, help), labelled replica and version.
+BY_REPLICA = {
+    "log_ratio_mean": ("lorafleet_trainer_replica_log_ratio",
+                       "Mean log-ratio log p_train - log p_replica of the tokens one replica generated for one version "
+                       "(last window with such tokens); 0 = agrees with the trainer."),
+    "abs_log_ratio_mean": ("lorafleet_trainer_replica_abs_log_ratio",
+                           "Mean |log-ratio| of the tokens one replica generated for one version."),
+    "log_ratio_std": ("lorafleet_trainer_replica_log_ratio_std",
+                      "Standard deviation of the log-ratio of the tokens one replica generated for one version."),
+    "ratio_mean": ("lorafleet_trainer_replica_importance_ratio",
+                   "Mean importance ratio exp(log-ratio) of one replica's tokens for one version: its share of "
+                   "lorafleet_trainer_importance_ratio."),
+    "tokens": ("lorafleet_trainer_replica_ratio_tokens", "Tokens behind the replica's ratio gauges (that window)."),
+}
+REPLICA_VERSIONS_KEPT = 4  # the newest versions with per-replica series
 EVAL_BY_FUNCTION = "eval/rewards/"  # eval/rewards/<function>: one labelled gauge
 TRAIN_BY_FUNCTION = "rewards/"  # TRL's rewards/<function>: the window's mean
 # TRL's logged key -> (histogram name, help): one observation per logged window.
@@ -67,6 +85,7 @@ class TrainerMetrics(Collector):
         self.lora_root = lora_root
         self.registry = CollectorRegistry()
         self.values: dict[str, float] = {}
+        self.by_replica: dict[tuple[str, int], ReplicaRatio] = {}
         self.step: int | None = None
         self.durations = {key: Histogram(name, doc, buckets=DURATION_BUCKETS, registry=self.registry)
                           for key, (name, doc) in DURATIONS.items()}
@@ -85,6 +104,9 @@ class TrainerMetrics(Collector):
             if key in numbers:
                 histogram.observe(numbers[key])
         self.dropped_stale.inc(numbers.get("sample/dropped_stale_total", 0.0))
+        self.by_replica.update({(row.replica, row.version): row for row in read_rows(logs.get(METRICS_KEY))})
+        kept = sorted({version for _, version in self.by_replica})[-REPLICA_VERSIONS_KEPT:]
+        self.by_replica = {key: row for key, row in self.by_replica.items() if key[1] in kept}
         self.step = step
 
     def published_version(self) -> int | None:
@@ -107,6 +129,12 @@ class TrainerMetrics(Collector):
                 function = _function(key, prefix)
                 if function:
                     family.add_metric([function], value)
+            if family.samples:
+                yield family
+        for field, (name, doc) in BY_REPLICA.items():
+            family = GaugeMetricFamily(name, doc, labels=["replica", "version"])
+            for (replica, version), row in sorted(self.by_replica.items()):
+                family.add_metric([replica, str(version)], float(getattr(row, field)))
             if family.samples:
                 yield family
         if self.step is not None:

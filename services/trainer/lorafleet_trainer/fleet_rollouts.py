@@ -15,7 +15,10 @@ becomes `FleetRolloutLoop` (pickled by reference: the child imports it from this
 - the task's rewards, tools and environments run guarded (tasks/guards.py: TASK_TIMEOUT_S, faults counted);
 - each multi-turn episode asks for the adapter version episodes.py chooses (TRAINER_PIN_EPISODES);
 - prompt groups are named by their position in the prompt stream and a resumed child starts where the checkpoint's
-  consumed prompts end, skipping those consumed past it (resume.py).
+  consumed prompts end, skipping those consumed past it (resume.py);
+- each completion's provenance headers (which replica answered, under which adapter name and fingerprint) are noted
+  per turn on its episode, and each scored sample is a `ProvenancedSample` carrying its rollout's answers to the
+  trainer process (provenance.py).
 
 TRL's private names are checked at start: a TRL without them refuses to start (a config error) rather than sending
 no key or giving up early. A module of its own because it imports TRL's rollout worker at load time.
@@ -28,6 +31,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 import aiohttp
@@ -35,6 +39,7 @@ from lorafleet.settings import ConfigError, TrainerSettings
 from trl.experimental.async_grpo import async_rollout_worker as trl_worker
 
 from lorafleet_trainer.episodes import CURRENT, MIXED_METRIC, Episode
+from lorafleet_trainer.provenance import Answer, answer_from
 from lorafleet_trainer.run_key_file import bearer
 from lorafleet_trainer.tasks.guards import FaultLog, guard_environment, guard_reward, guard_tool
 
@@ -50,9 +55,18 @@ RESUME_SKIP_KWARG = "resume_skip"
 RETRY_MAX_S = 5.0  # back on the fleet within seconds of its return
 RETRY_STATUSES = frozenset({408, 429})  # the 4xx answers that say "later", not "no"
 COMPLETIONS_LABEL = "vllm /v1/completions"  # TRL's label of its outer, per-completion retry
+COMPLETIONS_PATH = "/v1/completions"
 # TRL's loop class; `object` only so that a TRL without it still imports this module and check_rollout_hooks says so.
 _TRL_LOOP: Any = getattr(trl_worker, "_AsyncRolloutLoop", object)
+_TRL_SAMPLE: Any = getattr(trl_worker, "RolloutSample", object)
 _RETRYABLE: tuple[type[BaseException], ...] = getattr(trl_worker, "_RETRYABLE_HTTP_ERRORS", (aiohttp.ClientError,))
+
+
+@dataclass(slots=True)
+class ProvenancedSample(_TRL_SAMPLE):
+    """TRL's scored sample with who answered each turn of its rollout (pickled by reference, like the loop)."""
+
+    answers: tuple[Answer, ...] = ()
 
 
 class RolloutsUnsupported(RuntimeError):
@@ -92,6 +106,7 @@ class FleetRolloutLoop(_TRL_LOOP):
         self._pin_episodes = pin_episodes
         self._max_staleness = max_staleness
         self._faults = FaultLog()
+        self._answers: dict[str, tuple[Answer, ...]] = {}  # rollout id -> its answers, until its group is scored
         super().__init__(**loop_kwargs)  # probes one instance of each environment: guarded below
         self.reward_funcs = [guard_reward(func, name, task_timeout_s, self._faults)
                              for func, name in zip(self.reward_funcs, self.reward_func_names, strict=False)]
@@ -130,10 +145,37 @@ class FleetRolloutLoop(_TRL_LOOP):
         episode = Episode()
         CURRENT.set(episode)  # this rollout's own task: the context is its copy
         result = await super()._generate_one(prompt, tool_dict=tool_dict, tools=tools, group_id=group_id)
+        for sequence in result[2]:  # TRL's training rows of this rollout, all under its rollout id
+            self._answers[sequence.rollout_id] = tuple(episode.answers)
         if episode.multi_turn:
             self._rates[MIXED_METRIC][0] += episode.mixed
             self._rates[MIXED_METRIC][1] += 1
         return result
+
+    async def _score_group(self, group: Any) -> list[Any]:
+        """TRL's samples, each with its rollout's answers: TRL builds one sample per training row, in row order."""
+        samples = await super()._score_group(group)
+        rows = [sequence for sequences in group.completions_sequences for sequence in sequences]
+        return [ProvenancedSample(**{f.name: getattr(sample, f.name) for f in fields(_TRL_SAMPLE)},
+                                  answers=self._answers.pop(row.rollout_id, ()))
+                for sample, row in zip(samples, rows, strict=True)]
+
+    async def _post(self, path: str, payload: dict[str, Any], timeout: float, max_retries: int = 3) -> Any:
+        """TRL's POST; a completion's answer is also noted, with its provenance headers, on the rollout's episode."""
+        if path != COMPLETIONS_PATH:
+            return await super()._post(path, payload, timeout, max_retries)
+        client_timeout = aiohttp.ClientTimeout(total=timeout)
+
+        async def post() -> Any:
+            async with self.session.post(f"{self.vllm_server_url}{path}", json=payload,
+                                         timeout=client_timeout) as response:
+                response.raise_for_status()
+                content = await response.json() or {}
+            if (episode := CURRENT.get()) is not None:
+                episode.answers.append(answer_from(response.headers, content))
+            return content
+
+        return await self._retry(post, label=f"POST {path}", max_attempts=max_retries)
 
     async def _execute_tool_calls(self, tool_calls: list[dict[str, Any]],
                                   tool_dict: dict[str, Callable[..., Any]]) -> Any:
@@ -205,17 +247,23 @@ def check_rollout_hooks() -> None:
     worker_cls = getattr(trl_worker, "AsyncRolloutWorker", None)
     hooks = {
         "_AsyncRolloutLoop": loop_cls is not None and loop_cls is _TRL_LOOP,
+        "RolloutSample": _TRL_SAMPLE is not object,
         "AsyncRolloutWorker._loop_cls": loop_cls is not None and getattr(worker_cls, "_loop_cls", None) is loop_cls,
         "_AsyncRolloutLoop._run_loops storing self.session": _uses(getattr(loop_cls, "_run_loops", None),
                                                                    "self.session"),
         "_AsyncRolloutLoop._post posting on self.session": _uses(getattr(loop_cls, "_post", None), "self.session"),
         f"completions retried as {COMPLETIONS_LABEL!r}": _uses(loop_cls, f'label="{COMPLETIONS_LABEL}"'),
+        f"completions posted through self._post({COMPLETIONS_PATH!r})": _uses(
+            getattr(loop_cls, "_generate_one_turn", None), f'self._post("{COMPLETIONS_PATH}"'),
+        "_score_group building one RolloutSample per training row": _uses(
+            getattr(loop_cls, "_score_group", None), "for seq in sequences"),
     }
     missing = [name for name, present in hooks.items() if not present]
     if missing:
         raise ConfigError(
             f"TRAINER_RUN_KEY_FILE / TRAINER_FLEET_WAIT_S: this TRL's rollout worker lacks {', '.join(missing)} "
-            "(lorafleet wires into TRL 1.16's): its rollouts could not send the run key or wait for the fleet"
+            "(lorafleet wires into TRL 1.16's): its rollouts could not send the run key, wait for the fleet or say "
+            "which replica answered them"
         )
 
 

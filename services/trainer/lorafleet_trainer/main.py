@@ -104,6 +104,9 @@ def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_r
     from lorafleet_trainer.fleet import PreflightError, StopRequested, fleet_size, prepare_fleet
     from lorafleet_trainer.fleet_rollouts import check_rollout_hooks, wire_rollouts
     from lorafleet_trainer.lifecycle import Limits, RunLifecycle, shield_rollout_worker
+    from lorafleet_trainer.provenance import record_rollouts
+    from lorafleet_trainer.ratio_by_replica import ReplicaRatios
+    from lorafleet_trainer.ratio_report import RatioReporter
     from lorafleet_trainer.resilience import retry_control_calls
     from lorafleet_trainer.resume import PromptTracker
     from lorafleet_trainer.run_state import MetricsJsonl, check_resumable, newest_checkpoint
@@ -190,10 +193,14 @@ def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_r
     metrics = MetricsJsonl(settings.metrics_path)
     evaluation = eval_callbacks(task, settings, run_key, main_rank, metrics.append)  # first: joins the step's log
     prompts = PromptTracker(settings.run_dir, checkpoint, fleet_names=swept)  # before TRL's own callbacks
-    trainer = build_trainer(settings, configs,
-                            [*evaluation, metrics, lifecycle, prompts, *exporter_callbacks(settings)], task=task)
+    # Before metrics and the exporter: it adds to the logged dict; an outlier replica is reported to the proxy.
+    ratios = ReplicaRatios(settings.run_dir, RatioReporter(settings.trainer_vllm_url, run_key))
+    callbacks = [*evaluation, ratios, metrics, lifecycle, prompts, *exporter_callbacks(settings)]
+    trainer = build_trainer(settings, configs, callbacks, task=task)
     for callback in evaluation:
         callback.bind(trainer)
+    record_rollouts(trainer, settings.run_dir)  # TRL's queue, before prompts.bind wraps it
+    ratios.bind(trainer)
     prompts.bind(trainer)
     shield_rollout_worker(trainer, lifecycle)
     wire_rollouts(trainer, run_key, settings)  # before train(): TRL spawns the child then

@@ -15,6 +15,7 @@ Each checkpoint stores the consumed set in its rollout_state.json: `prompt_index
 TRL's own reader would resume too) and `consumed_above` (consumed positions past it: groups finish out of order). A
 resume restarts the child at `prompt_index` and skips `consumed_above`: no group consumed into the checkpoint is
 consumed again, none before the stream's new head is left out. The bound on what a kill repeats: `rollback_bound`.
+Each step's consumed groups go to prompts.jsonl; prompt_log reads it back and judges a run against this contract.
 
 Adapter names. TRL numbers from the checkpoint's version, so a run killed after publishing past its checkpoint would
 publish a name again with other weights. Here the next version is past every name on disk (the run's .vllm_lora) and
@@ -42,10 +43,10 @@ from lorafleet.logs import log_event
 from transformers import TrainerCallback
 
 from lorafleet_trainer.fleet_rollouts import RESUME_SKIP_KWARG, RESUME_START_KWARG
+from lorafleet_trainer.prompt_log import PROMPTS_FILE
 from lorafleet_trainer.run_state import ROLLOUT_STATE, WRITING_MARKER, Checkpoint, MetricsJsonl
 
 log = logging.getLogger(__name__)
-PROMPTS_FILE = "prompts.jsonl"  # in the run folder: one line per optimizer step, the prompt groups it consumed
 
 
 @dataclass

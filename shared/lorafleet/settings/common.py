@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from lorafleet.adapters import metrics_path, run_dir
 from lorafleet.named_models import DEFAULT_MODEL_CACHE, NAMED_MODELS, resolve_base_model
-from lorafleet.runs import run_slots, slot_budget
+from lorafleet.runs import RUN_NAME_DEFAULT, run_slots, slot_budget
 
 # vLLM accepts only these values for --max-lora-rank (vllm/config/lora.py, TRL's VLLM_LORA_RANKS).
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -71,7 +71,9 @@ class CommonSettings(BaseSettings):
         Path("/adapters"),
         description="Shared adapter volume, mounted at this same absolute path in every service.",
     )
-    run_name: str = Field("run1", description="Run folder under ADAPTER_ROOT/runs/ for adapters and checkpoints.")
+    run_name: str = Field(
+        RUN_NAME_DEFAULT, description="Run folder under ADAPTER_ROOT/runs/ for adapters and checkpoints."
+    )
     lora_rank: int = Field(1, ge=1, description="LoRA rank r of the trained adapter (<= 512).")
     lora_alpha: int = Field(2, ge=1, description="LoRA alpha (scaling = alpha / r).")
     max_staleness: int = Field(

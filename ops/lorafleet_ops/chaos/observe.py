@@ -1,0 +1,74 @@
+"""Samples the fleet while the nemesis works, for the checker's fleet invariants (observed.jsonl).
+
+Each sample: the ledger as its file holds it (name -> fingerprint; readable while the proxy is down) and, for every
+replica the proxy calls ready, the chaos runs' adapters it serves as it lists them itself (/v1/models, asked
+directly, not through the relay; a shared test replica may hold others' too); a replica not ready, or not
+answering, is null. The last sample is taken after every fault has
+healed and every replica is ready again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from lorafleet.ledger_format import LedgerFileError, ledger_path, read
+from lorafleet.runs import run_of
+
+SAMPLE_S = 1.0
+
+
+class Observer:
+    def __init__(self, root: Path, proxy_url: str, replicas: dict[str, str], runs: tuple[str, ...],
+                 out: Path) -> None:
+        """`replicas` maps the URL the proxy knows a replica by (its relay) to the replica's own URL."""
+        self.root, self.proxy_url, self.replicas, self.runs, self.out = root, proxy_url, replicas, runs, out
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="chaos-observer", daemon=True)
+        self._client = httpx.Client(timeout=2.0)
+
+    def start(self) -> Observer:
+        self._thread.start()
+        return self
+
+    def halt(self) -> None:
+        self._halt.set()
+        self._thread.join(timeout=30)
+
+    def ready(self) -> set[str]:
+        """The relay URLs the proxy calls ready now (none when the proxy does not answer)."""
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            fleet = self._client.get(self.proxy_url + "/fleet").json()
+            return {replica["url"] for replica in fleet["replicas"] if replica["state"] == "ready"}
+        return set()
+
+    def sample(self) -> dict[str, Any]:
+        ledger: dict[str, str] = {}
+        with contextlib.suppress(LedgerFileError, OSError):
+            state = read(ledger_path(self.root), self.root)
+            ledger = {name: entry.fingerprint for name, entry in (state.adapters.items() if state else ())}
+        ready = self.ready()
+        return {"time": round(time.time(), 3), "ledger": ledger,
+                "replicas": {own: self._served(own) if relay in ready else None
+                             for relay, own in self.replicas.items()}}
+
+    def record(self) -> dict[str, Any]:
+        sample = self.sample()
+        with open(self.out, "a", encoding="utf-8") as lines:
+            lines.write(json.dumps(sample) + "\n")
+        return sample
+
+    def _served(self, url: str) -> list[str] | None:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            return sorted(card["id"] for card in self._client.get(url + "/v1/models").json()["data"]
+                          if card.get("parent") and run_of(card["id"])[0] in self.runs)
+        return None
+
+    def _loop(self) -> None:
+        while not self._halt.wait(SAMPLE_S):
+            self.record()

