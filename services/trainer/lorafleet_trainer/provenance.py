@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 from lorafleet.vllm_api import PROXY_ADAPTER_HEADER, PROXY_FINGERPRINT_HEADER, PROXY_UPSTREAM_HEADER
 
+from lorafleet_trainer.queue_view import QueueView
+
 ROLLOUTS_FILE = "rollouts.jsonl"  # in the run folder: one line per sample the trainer read
 
 
@@ -68,7 +70,7 @@ def sample_record(sample: Any) -> dict[str, Any]:
     }
 
 
-class RolloutRecord:
+class RolloutRecord(QueueView):
     """TRL's rollout queue, each sample read from it written to rollouts.jsonl (`{"time", **sample_record}`).
 
     Whichever process reads the queue writes: the trainer's reader, or TRAINER_FAST_STEP's packing process, to
@@ -76,7 +78,8 @@ class RolloutRecord:
     groups under `dropped`)."""
 
     def __init__(self, queue: Any, path: Path) -> None:
-        self._queue, self.path = queue, path
+        super().__init__(queue)
+        self.path = path
 
     def get(self, *args: Any, **kwargs: Any) -> Any:
         sample = self._queue.get(*args, **kwargs)
@@ -84,11 +87,6 @@ class RolloutRecord:
         with open(self.path, "a", encoding="utf-8") as out:  # one write: lines never interleave
             out.write(line + "\n")
         return sample
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_queue":  # not built (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self._queue, name)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (RolloutRecord, (self._queue, self.path))

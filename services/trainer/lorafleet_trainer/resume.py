@@ -44,6 +44,7 @@ from transformers import TrainerCallback
 
 from lorafleet_trainer.fleet_rollouts import RESUME_SKIP_KWARG, RESUME_START_KWARG
 from lorafleet_trainer.prompt_log import PROMPTS_FILE
+from lorafleet_trainer.queue_view import QueueView
 from lorafleet_trainer.run_state import ROLLOUT_STATE, WRITING_MARKER, Checkpoint, MetricsJsonl
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class CollatedGroups(set[int]):
         self.pending.append((batch, drops))
 
 
-class _ObservedQueue:
+class _ObservedQueue(QueueView):
     """TRL's rollout queue as its reader (RolloutQueueDataset) sees it, noting the groups it is about to drop: it
     reads the policy version right after `get` on the same thread (no sync in between) and drops a sample when
     `version - sample.model_version > max_staleness`.
@@ -131,18 +132,14 @@ class _ObservedQueue:
     """
 
     def __init__(self, queue: Any, version: Callable[[], int], max_staleness: int, dropped: deque[int]) -> None:
-        self._queue, self._version, self._max_staleness, self._dropped = queue, version, max_staleness, dropped
+        super().__init__(queue)
+        self._version, self._max_staleness, self._dropped = version, max_staleness, dropped
 
     def get(self, *args: Any, **kwargs: Any) -> Any:
         sample = self._queue.get(*args, **kwargs)
         if self._version() - sample.model_version > self._max_staleness:
             self._dropped.append(int(sample.group_id))
         return sample
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_queue":  # not built (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self._queue, name)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Sent to another process (TRAINER_FAST_STEP's packing process), it is TRL's queue itself."""

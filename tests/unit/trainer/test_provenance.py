@@ -12,7 +12,7 @@ import pickle
 import queue
 import threading
 from collections import deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from lorafleet.settings import ConfigError, load_settings
 from lorafleet.vllm_api import PROXY_ADAPTER_HEADER, PROXY_FINGERPRINT_HEADER, PROXY_UPSTREAM_HEADER
 from lorafleet_ops.tiny_model import make_tiny_model
+from lorafleet_testing.stub_http import JsonStub
 from lorafleet_trainer.provenance import (
     ROLLOUTS_FILE,
     Answer,
@@ -37,7 +38,7 @@ from multidict import CIMultiDict
 CALL = '<tool_call>\n{"name": "echo", "arguments": {"key": "red"}}\n</tool_call><|im_end|>'
 
 
-class _Proxy(BaseHTTPRequestHandler):
+class _Proxy(JsonStub):
     """Answers every completion as the proxy would, each from a replica of its own: replica-<n>."""
 
     reply_ids: ClassVar[list[int]] = []
@@ -45,24 +46,16 @@ class _Proxy(BaseHTTPRequestHandler):
     lock = threading.Lock()
 
     def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.json_body()
         ids = type(self).reply_ids
         with self.lock:
             answer = Answer(f"http://replica-{len(self.sent)}:8000", body["model"], f"sha256:{len(self.sent)}",
                             len(ids))
             self.sent.append(answer)
-        payload = json.dumps({"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.1] * len(ids)}}]})
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.send_header(PROXY_UPSTREAM_HEADER, answer.replica)
-        self.send_header(PROXY_ADAPTER_HEADER.lower(), answer.adapter)  # headers are case-insensitive
-        self.send_header(PROXY_FINGERPRINT_HEADER, answer.fingerprint)
-        self.end_headers()
-        self.wfile.write(payload.encode())
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        self.answer({"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.1] * len(ids)}}]},
+                    {PROXY_UPSTREAM_HEADER: answer.replica,
+                     PROXY_ADAPTER_HEADER.lower(): answer.adapter,  # headers are case-insensitive
+                     PROXY_FINGERPRINT_HEADER: answer.fingerprint})
 
 
 def echo(key: str) -> str:

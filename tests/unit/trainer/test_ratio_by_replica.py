@@ -12,7 +12,7 @@ import math
 import queue
 import threading
 from collections import defaultdict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -22,6 +22,7 @@ import pytest
 import torch
 from lorafleet.ports import free_port
 from lorafleet.ratio_outliers import METRICS_KEY, Outlier, outliers, read_rows
+from lorafleet_testing.stub_http import JsonStub
 from lorafleet_trainer.fast_step.loss import compact_batch
 from lorafleet_trainer.fleet_rollouts import ProvenancedSample
 from lorafleet_trainer.provenance import ROLLOUTS_FILE, Answer, RolloutRecord
@@ -178,23 +179,15 @@ def test_rows_survive_metrics_jsonl(tmp_path):
     assert again == read_rows(logs[METRICS_KEY]) and all(math.isfinite(row.ratio_mean) for row in again)
 
 
-class _Proxy(BaseHTTPRequestHandler):
+class _Proxy(JsonStub):
     """Answers /ratio_report as the proxy does, keeping each body and its Authorization header."""
 
     reports: ClassVar[list[tuple[str, dict[str, Any]]]] = []
 
     def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.json_body()
         type(self).reports.append((self.headers.get("Authorization", ""), {"path": self.path, **body}))
-        payload = json.dumps({"replica": body["replica"], "lora_name": body["lora_name"], "outcome": "quarantined"})
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload.encode())
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        self.answer({"replica": body["replica"], "lora_name": body["lora_name"], "outcome": "quarantined"})
 
 
 def test_an_outlier_is_logged_and_reported_to_the_proxy_once_per_replica_and_version(tmp_path):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import multiprocessing
 import queue
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any, ClassVar
 
 import pytest
@@ -17,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lorafleet.settings import load_settings
 from lorafleet_ops.tiny_model import make_tiny_model
+from lorafleet_testing.stub_http import JsonStub
 from lorafleet_trainer.episodes import Episode
 from lorafleet_trainer.tasks.guards import (
     MAX_HUNG_CALLS,
@@ -161,23 +161,15 @@ def _running(steps: list[int]) -> list[int]:
 # --- TRL's own rollout loop, in a thread, against a completion server -----------------------------------------
 
 
-class _Completions(BaseHTTPRequestHandler):
+class _Completions(JsonStub):
     reply_ids: ClassVar[list[int]] = []
     models: ClassVar[list[str]] = []
 
     def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.json_body()
         type(self).models.append(body["model"])
         ids = type(self).reply_ids
-        payload = json.dumps({"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.1] * len(ids)}}]})
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload.encode())
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        self.answer({"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.1] * len(ids)}}]})
 
 
 def lookup(key: str) -> str:
