@@ -74,3 +74,7 @@ def test_patch_wraps_each_kernel_once_and_sgmv_goes_through_it(monkeypatch):
                          1.0)
     assert torch.equal(buffer[0], torch.zeros(RANK))
     assert torch.allclose(buffer[1:], x[1:] @ a[1, 0].T, atol=1e-5)
+
+
+def test_a_vllm_without_the_modules_is_left_alone():
+    assert patch(("vllm.lora.ops.no_such_module",)) == []

@@ -51,7 +51,11 @@ def patch(modules: tuple[str, ...] = MODULES) -> list[str]:
     """Wrap every kernel of KERNELS found in `modules` once; the names wrapped, as `module.kernel`."""
     wrapped: list[str] = []
     for name in modules:
-        module = importlib.import_module(name)
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # another vLLM's layout: nothing of ours to wrap there, and vLLM must still start
+            log.warning("lorafleet: no %s in this vLLM; its LoRA kernels are left as they are", name)
+            continue
         for kernel in KERNELS:
             found = getattr(module, kernel, None)
             if found is not None and not getattr(found, MARK, False):
