@@ -272,10 +272,13 @@ def test_a_client_reusing_a_loaded_name_and_path_with_new_content_gets_the_new_c
     _assert_serves([replica.url for replica in replicas] + [proxy.url], name, tiny_model, adapter=path, other=c_copy)
 
 
-# The per-step logs: one line a step by design (the record status, the doctor and a resume checker read), so they
-# grow with the run's length and are measured per step, not within the bound of what retention keeps.
-PER_STEP_LOGS = ("metrics.jsonl", "prompts.jsonl")
-PER_STEP_LINE_MAX = 4096  # bytes: one step's line in either log (about 1 KB each on the tiny task)
+# The per-step logs, by design (the record status, the doctor, a resume checker and the ratio per replica read):
+# metrics.jsonl and prompts.jsonl a line a step, rollouts.jsonl a line per sample read (a step's samples, and the
+# stale ones dropped on the way). They grow with the run's length and are measured per step, not within the bound
+# of what retention keeps. Bytes a step, at most, on the tiny task (32 samples a step; lines of about 1 KB, 1 KB and
+# 300 bytes): a sample line at 1 KB and up to four times a step's samples read.
+PER_STEP_BYTES_MAX = {"metrics.jsonl": 4096, "prompts.jsonl": 4096, "rollouts.jsonl": 4 * 32 * 1024}
+PER_STEP_LOGS = tuple(PER_STEP_BYTES_MAX)
 RETAINED_STEPS = 3 * KEEP + 2  # enough steps and versions to rotate both kinds past their bounds
 
 
@@ -337,5 +340,5 @@ def test_wall_ceiling_stops_cleanly_and_a_long_run_keeps_its_disk_use_bounded(wa
     adapter = _size(folder / "final-adapter")
     bound = (KEEP + 1) * checkpoint + (MAX_STALENESS + 4) * adapter + 65536
     assert start.extra["bytes"] <= bound < len(steps) * checkpoint, (start.extra, bound, len(steps), checkpoint)
-    for name in PER_STEP_LOGS:  # linear by design: a bounded line per step
-        assert _size(folder / name) <= len(steps) * PER_STEP_LINE_MAX, (name, _size(folder / name), len(steps))
+    for name, per_step in PER_STEP_BYTES_MAX.items():  # linear by design: bounded bytes per step
+        assert _size(folder / name) <= len(steps) * per_step, (name, _size(folder / name), len(steps))
