@@ -38,7 +38,7 @@ def keep_base_rows(kernel: Callable[..., None]) -> Callable[..., None]:
         base = lora_indices < 0
         if lora_indices.shape[0] != output.shape[0] or not bool(base.any()):
             return kernel(inputs, weights, output, lora_indices, *args, **kwargs)
-        kept = output[base].clone()
+        kept = output[base]  # boolean indexing copies the rows
         kernel(inputs, weights, output, lora_indices.clamp(min=0), *args, **kwargs)
         output[base] = kept
         return None

@@ -48,8 +48,9 @@ class LoadGate:
     async def _relay(self, request: Request) -> Response:
         assert self._client is not None and self._release is not None
         body = await request.body()
-        if request.url.path == LOAD_PATH and self.hold(str(json.loads(body or b"{}").get("lora_name", ""))):
-            self.held_name = json.loads(body)["lora_name"]
+        name = str(json.loads(body or b"{}").get("lora_name", "")) if request.url.path == LOAD_PATH else None
+        if name is not None and self.hold(name):
+            self.held_name = name
             self.held.set()
             await self._release.wait()
             return JSONResponse({"error": {"message": "held by the test's gate", "code": 503}}, status_code=503)
