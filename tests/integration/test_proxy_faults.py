@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from lorafleet.ledger_format import fingerprint
 from lorafleet.settings import load_settings
 from lorafleet.vllm_api import metric_total
 from lorafleet_proxy.app import BearerAuth, create_app
@@ -34,7 +35,22 @@ class Fleet:
         self.http = httpx.AsyncClient(base_url=proxy.url, timeout=10)
 
     def adapter(self, name: str) -> str:
-        return str(self.root / "runs" / "r" / ".vllm_lora" / name)
+        """Run r's adapter folder for `name` (written once, its weights the name's bytes): what a trainer publishes."""
+        folder = self.root / "runs" / "r" / ".vllm_lora" / name
+        if not (folder / "adapter_config.json").exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "adapter_model.safetensors").write_bytes(name.encode())
+            (folder / "adapter_config.json").write_text("{}")
+        return str(folder)
+
+    def stored(self, name: str) -> str:
+        """The proxy's content-store folder of `name`'s adapter: what the replicas are asked to load."""
+        return str(self.root / ".content" / fingerprint(self.adapter(name)).removeprefix("sha256:"))
+
+    def entry(self, name: str, source: str) -> dict[str, str]:
+        """The ledger's entry for `name` loaded from the adapter folder named `source`."""
+        return {"name": name, "run": "default", "path": self.stored(source),
+                "fingerprint": fingerprint(self.adapter(source)), "source": self.adapter(source)}
 
     async def load(self, name: str, path: str | None = None) -> httpx.Response:
         return await self.http.post("/v1/load_lora_adapter", json={"lora_name": name,
@@ -76,18 +92,18 @@ async def test_load_is_broadcast_idempotent_and_persisted(fleet: Fleet) -> None:
     response = await fleet.load("trl-policy-v1")
     assert response.status_code == 200, response.text
     assert response.text == "Success: LoRA adapter 'trl-policy-v1' added successfully."
-    assert all(fake.adapters == {"trl-policy-v1": fleet.adapter("trl-policy-v1")} for fake in fleet.fakes)
+    assert all(fake.adapters == {"trl-policy-v1": fleet.stored("trl-policy-v1")} for fake in fleet.fakes)
 
     again = await fleet.load("trl-policy-v1")
     assert again.status_code == 200
     assert all(fake.loads() == ["trl-policy-v1"] for fake in fleet.fakes), "an idempotent re-load reached replicas"
 
     ledger = json.loads((fleet.root / ".fleet" / "proxy-ledger.json").read_text())
-    assert ledger == {"version": 2, "paused": None, "adapters": [
-        {"name": "trl-policy-v1", "path": fleet.adapter("trl-policy-v1"), "fingerprint": ""}]}
+    assert ledger == {"version": 4, "paused": None, "runs": {}, "adapters": [fleet.entry("trl-policy-v1",
+                                                                                         "trl-policy-v1")]}
     view = await fleet.fleet()
     assert view["ledger"] == ledger["adapters"]
-    assert all(r["adapters"] == {"trl-policy-v1": fleet.adapter("trl-policy-v1")} for r in view["replicas"])
+    assert all(r["adapters"] == {"trl-policy-v1": fleet.stored("trl-policy-v1")} for r in view["replicas"])
 
 
 async def test_unload_is_broadcast_and_404_like_vllm_when_nobody_has_it(fleet: Fleet) -> None:
@@ -142,9 +158,8 @@ async def test_same_name_new_path_unloads_resets_caches_then_loads(fleet: Fleet)
     for fake in fleet.fakes:
         assert [path for path, _ in fake.calls] == ["/resume", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
                                                     "/reset_prefix_cache", "/v1/load_lora_adapter"]
-        assert fake.adapters == {"trl-policy-v1": fleet.adapter("new-run-v1")}
-    assert (await fleet.fleet())["ledger"] == [{"name": "trl-policy-v1", "path": fleet.adapter("new-run-v1"),
-                                                "fingerprint": ""}]
+        assert fake.adapters == {"trl-policy-v1": fleet.stored("new-run-v1")}
+    assert (await fleet.fleet())["ledger"] == [fleet.entry("trl-policy-v1", "new-run-v1")]
 
 
 async def test_unsafe_paths_and_names_are_400_and_nothing_is_sent(fleet: Fleet, tmp_path: Path) -> None:
@@ -200,7 +215,7 @@ async def test_a_replica_dead_during_a_sync_is_ejected_and_the_sync_succeeds(fle
     assert (await fleet.http.post("/resume")).status_code == 200
     unloaded = await fleet.http.post("/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"})
     assert unloaded.status_code == 200
-    assert fleet.fakes[0].adapters == {"trl-policy-v2": fleet.adapter("trl-policy-v2")}
+    assert fleet.fakes[0].adapters == {"trl-policy-v2": fleet.stored("trl-policy-v2")}
     assert [entry["name"] for entry in (await fleet.fleet())["ledger"]] == ["trl-policy-v2"]
 
 
@@ -337,7 +352,7 @@ async def test_restarted_replica_that_lost_its_adapters_goes_back_through_syncin
         return fleet.fakes[0].adapters
 
     await until(reloaded, "the adapter loaded again on the restarted replica")
-    assert fleet.fakes[0].adapters == {"trl-policy-v1": fleet.adapter("trl-policy-v1")}
+    assert fleet.fakes[0].adapters == {"trl-policy-v1": fleet.stored("trl-policy-v1")}
     await fleet.wait_states("ready", "ready")
 
 
@@ -350,7 +365,7 @@ async def test_server_info_models_health_metrics(fleet: Fleet) -> None:
     assert info["parallel_config"]["data_parallel_size"] == 1
     models = (await fleet.http.get("/v1/models")).json()["data"]
     assert [m["id"] for m in models] == ["fake-base", "trl-policy-v1"]
-    assert models[0]["max_model_len"] == 512 and models[1]["root"] == fleet.adapter("trl-policy-v1")
+    assert models[0]["max_model_len"] == 512 and models[1]["root"] == fleet.stored("trl-policy-v1")
     health = await fleet.http.get("/health")
     assert health.status_code == 200 and [r["state"] for r in health.json()["replicas"]] == ["ready", "ready"]
     text = (await fleet.http.get("/metrics")).text

@@ -25,6 +25,7 @@ import httpx
 import pytest
 from lorafleet.vllm_api import VLLMClient
 from lorafleet_ops.processes import Service, proxy_service, wait_healthy
+from lorafleet_testing.fleet import stored_at
 
 pytestmark = pytest.mark.integration
 
@@ -180,7 +181,7 @@ async def test_proxy_follows_a_headless_service_as_pods_come_and_go(
         joining = [(r["state"], r["routed"]) for view in seen for r in view["replicas"] if r["url"] == second]
         assert all(routed == 0 for state, routed in joining if state != "ready"), f"routed before ready: {joining}"
         async with VLLMClient(pods[second]) as replica:
-            assert (await replica.loaded_adapters()).get(ADAPTER) == str(path)
+            assert (await replica.loaded_adapters()).get(ADAPTER) == stored_at(root, path)
 
         # Scale down: the first pod's record goes; the proxy forgets it and serves from the second alone.
         publish(hosts_file, [second])

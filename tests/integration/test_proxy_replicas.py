@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from lorafleet.ledger_format import fingerprint
 from lorafleet.settings import load_settings
 from lorafleet.vllm_api import VLLMClient
 from lorafleet_proxy.app import create_app
@@ -35,6 +36,10 @@ class Proxy:
 
     async def load(self, name: str, path: Path) -> httpx.Response:
         return await self.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+
+    def stored(self, path: Path) -> str:
+        """The proxy's content-store folder of the adapter at `path`: what the replicas load and list."""
+        return str(self.app.state.ledger.content.root / fingerprint(path).removeprefix("sha256:"))
 
     async def fleet(self) -> dict[str, Any]:
         return (await self.http.get("/fleet")).json()
@@ -95,7 +100,7 @@ async def test_broadcast_load_pause_resume_unload(proxy: Proxy, make_adapter: Ca
     urls = [r.url for r in proxy.replicas]
     response = await proxy.load("pxy-a-v1", path)
     assert response.status_code == 200, response.text
-    assert [held.get("pxy-a-v1") for held in await on_replicas(urls)] == [str(path), str(path)]
+    assert [held.get("pxy-a-v1") for held in await on_replicas(urls)] == [proxy.stored(path)] * 2
     assert (await proxy.load("pxy-a-v1", path)).status_code == 200, "an identical re-load must be idempotent"
 
     tuned, base = await logprobs(proxy, "pxy-a-v1"), await logprobs(proxy, str(tiny_model))
@@ -155,7 +160,7 @@ async def test_new_run_reusing_a_name_serves_the_new_weights_without_stale_cache
     assert rebound == pytest.approx(reference, abs=1e-4), "the reused name does not serve the new run's weights"
     assert rebound != pytest.approx(old_logprobs, abs=1e-4)
     held = await on_replicas([r.url for r in proxy.replicas])
-    assert [h["pxy-b-v1"] for h in held] == [str(new), str(new)]
+    assert [h["pxy-b-v1"] for h in held] == [proxy.stored(new)] * 2
     for name in ("pxy-b-v1", "pxy-b-ref"):
         assert (await proxy.post("/v1/unload_lora_adapter", json={"lora_name": name})).status_code == 200
 
@@ -187,7 +192,9 @@ async def test_trl_client_chooses_adapter_sync_and_runs_a_sync_through_the_proxy
         return adapter_only
 
     assert await asyncio.to_thread(trainer_side) is True
-    assert all(held.get("trl-policy-v1") == str(path) for held in await on_replicas([r.url for r in proxy.replicas]))
+    stored = next(e["path"] for e in (await proxy.fleet())["ledger"] if e["name"] == "trl-policy-v1")
+    assert fingerprint(stored) == fingerprint(path)
+    assert all(held.get("trl-policy-v1") == stored for held in await on_replicas([r.url for r in proxy.replicas]))
     await asyncio.to_thread(client.unload_lora_adapter, "trl-policy-v1")
     assert all("trl-policy-v1" not in held for held in await on_replicas([r.url for r in proxy.replicas]))
 
@@ -215,8 +222,8 @@ async def test_a_joining_replica_syncs_before_traffic_and_a_killed_one_is_ejecte
                                        v["replicas"][2]["state"] == "ready"), timeout=60)
     await traffic
     assert all(routed == 0 for state, routed in seen if state != "ready"), f"traffic before ready: {seen}"
-    assert view["replicas"][2]["adapters"] == {name: str(path) for name, path in ledger}
-    assert (await on_replicas([third.url]))[0] == {name: str(path) for name, path in ledger}
+    assert view["replicas"][2]["adapters"] == {name: proxy.stored(path) for name, path in ledger}
+    assert (await on_replicas([third.url]))[0] == {name: proxy.stored(path) for name, path in ledger}
 
     # Enough concurrent rollouts that the third replica has some in flight when it dies.
     async def rollout(i: int) -> httpx.Response:

@@ -105,7 +105,7 @@ async def test_two_runs_hold_the_same_names_with_their_own_weights(fleet: Fleet)
         expected = fingerprint(fleet.root / "runs" / run / ".vllm_lora" / "trl-policy-v1")
         assert answer["served_fingerprint"] == expected, f"run {run} decoded with another run's weights"
     ledger = json.loads(ledger_path(fleet.root).read_text())
-    assert ledger["version"] == 3
+    assert ledger["version"] == 4
     assert [(e["name"], e["run"]) for e in ledger["adapters"]] == [("a--trl-policy-v1", "a"), ("b--trl-policy-v1", "b")]
 
 

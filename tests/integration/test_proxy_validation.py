@@ -56,6 +56,9 @@ async def test_bad_admin_input_is_400_before_the_lock_and_reaches_no_replica(tmp
 
             await until(both_ready, "both replicas ready", 30)
             fakes[0].faults.not_found_loads = 10**6  # the load below holds the fleet lock until its deadline
+            slow_adapter = tmp_path / "runs" / "r" / "slow"  # the proxy copies it into its store, then asks replicas
+            slow_adapter.mkdir(parents=True)
+            (slow_adapter / "adapter_config.json").write_text("{}")
             slow = asyncio.create_task(client.post(LOAD, json={"lora_name": "slow", "lora_path": "runs/r/slow"}))
             while not fakes[0].loads():
                 await asyncio.sleep(0.01)

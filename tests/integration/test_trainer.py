@@ -19,6 +19,7 @@ from lorafleet.ledger_format import fingerprint
 from lorafleet.ratio_outliers import METRICS_KEY, outliers, read_rows, reference
 from lorafleet_ops.commands.status import read_metrics
 from lorafleet_ops.processes import Service
+from lorafleet_testing.fleet import stored_at
 from lorafleet_testing.trainers import finish
 from lorafleet_trainer.provenance import ROLLOUTS_FILE
 from lorafleet_trainer.ratio_by_replica import UNATTRIBUTED_KEY
@@ -67,7 +68,7 @@ def test_tiny_recipe_trains_3_steps_and_publishes_each_version_on_both_replicas(
     assert all(row["perf/weight_sync_s"] > 0 for row in rows)
 
     # Cold sync = v1, then one sync per step (the tiny recipe's WEIGHT_SYNC_STEPS=1): v1..v4, all still loaded.
-    published = {policy_name(v): str(lora_dir(root, RUN) / policy_name(v)) for v in range(1, STEPS + 2)}
+    published = {policy_name(v): stored_at(root, lora_dir(root, RUN) / policy_name(v)) for v in range(1, STEPS + 2)}
     for replica in replicas:
         assert served_adapters(replica.url) == published, replica.url
     assert (root / "runs" / RUN / "final-adapter" / "adapter_config.json").is_file()
@@ -121,7 +122,7 @@ def test_second_start_resumes_the_checkpoint_and_keeps_version_numbering(
     assert [row["step"] for row in rows][-2:] == [STEPS + 1, STEPS + 2]
     assert near_one([row["ratio"] for row in rows[-2:]]), rows[-2:]
     # Numbering continued after v4: cold sync v5, then v6 and v7; nothing older is loaded any more.
-    expected = {policy_name(v): str(lora_dir(root, RUN) / policy_name(v)) for v in (5, 6, 7)}
+    expected = {policy_name(v): stored_at(root, lora_dir(root, RUN) / policy_name(v)) for v in (5, 6, 7)}
     for replica in replicas:
         assert served_adapters(replica.url) == expected, replica.url
 

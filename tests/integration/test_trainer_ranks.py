@@ -24,6 +24,7 @@ from lorafleet.adapters import lora_dir, metrics_path, policy_name, run_dir
 from lorafleet_ops.commands.doctor.checks import RATIO_FAIL
 from lorafleet_ops.commands.status import read_metrics
 from lorafleet_ops.processes import Service
+from lorafleet_testing.fleet import stored_at
 from lorafleet_testing.trainers import finish
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -46,7 +47,7 @@ def _event(log: str, event: str) -> list[dict[str, str]]:
 
 def _published_loads(proxy: Service, root: Path) -> collections.Counter[str]:
     """Fleet-wide loads of this run's versions, from the proxy's own log: name -> how many times."""
-    pattern = re.compile(rf"load ok name=(trl-policy-v\d+) path={re.escape(str(lora_dir(root, RUN)))}/\S+ "
+    pattern = re.compile(rf"load ok name=(trl-policy-v\d+) path=\S+ source={re.escape(str(lora_dir(root, RUN)))}/\S+ "
                          r".*replicas=2")
     return collections.Counter(match.group(1) for match in pattern.finditer(proxy.log_path.read_text()))
 
@@ -54,8 +55,9 @@ def _published_loads(proxy: Service, root: Path) -> collections.Counter[str]:
 def _assert_live_versions_served(replicas: list[Service], root: Path, oldest: int, newest: int,
                                  served_adapters) -> None:
     """The newest max_staleness + 1 versions this start published (from `oldest` on) are loaded on every
-    replica, each from this run's folder (a start first unloads every older policy version: the sweep)."""
-    live = {policy_name(v): str(lora_dir(root, RUN) / policy_name(v))
+    replica, each from the proxy's copy of this run's folder (a start first unloads every older policy version: the
+    sweep)."""
+    live = {policy_name(v): stored_at(root, lora_dir(root, RUN) / policy_name(v))
             for v in range(max(oldest, newest - MAX_STALENESS), newest + 1)}
     for replica in replicas:
         served = served_adapters(replica.url)

@@ -186,11 +186,46 @@ def trainer_store_problems(objects: list[Obj], container: Container) -> list[str
     return problems
 
 
+def replica_store_problems(objects: list[Obj], container: Container) -> list[str]:
+    """Issue 57: a replica container (its init container too) mounts, of the adapter store, the models alone
+    (read-only): no run's folder, nothing a trainer can change."""
+    root = environment(objects, container).get("ADAPTER_ROOT") or "/adapters"
+    have = [(m["mountPath"], m.get("subPath"), bool(m.get("readOnly"))) for m in store_mounts(container)]
+    if have != [(f"{root}/models", "models", True)]:
+        return [f"{container.where}: mounts {have} of the store, want its models alone, read-only"]
+    return []
+
+
+def content_problems(objects: list[Obj]) -> list[str]:
+    """Issue 57: the content claim (the content store) is mounted at ADAPTER_ROOT/.content, writable by the proxy
+    alone, read-only by every replica, by nothing else (never a trainer)."""
+    problems = []
+    mounted = set()
+    for container in containers(objects):
+        root = environment(objects, container).get("ADAPTER_ROOT") or "/adapters"
+        for mount in container.spec.get("volumeMounts", []):
+            if container.volume(mount["name"]).get("persistentVolumeClaim", {}).get("claimName") != "content":
+                continue
+            where = (container.component, container.init)
+            writes = where == ("proxy", False)
+            if where not in (("proxy", False), ("replica", False)):
+                problems.append(f"{container.where}: mounts the content store")
+            elif (mount["mountPath"], mount.get("subPath"), bool(mount.get("readOnly"))) != (f"{root}/.content", None,
+                                                                                          not writes):
+                problems.append(f"{container.where}: mounts the content store at {mount['mountPath']} readOnly="
+                                f"{mount.get('readOnly')} (want {root}/.content, {'rw' if writes else 'ro'})")
+            mounted.add(container.component)
+    problems += [f"the {component} does not mount the content store" for component in ("proxy", "replica")
+                 if component not in mounted]
+    return problems
+
+
 def mount_problems(objects: list[Obj]) -> list[str]:
     """The adapter store is read-only but for its writers and mounted at ADAPTER_ROOT, except that each trainer mounts
-    its own run's directory and the models only; the fleet claim only in the proxy, at ADAPTER_ROOT/.fleet; replicas
-    and trainers (every run's) have a memory-backed, size-limited /dev/shm."""
-    problems = []
+    its own run's directory and the models only, a replica the models alone; the content claim as content_problems
+    says; the fleet claim only in the proxy, at ADAPTER_ROOT/.fleet; replicas and trainers (every run's) have a
+    memory-backed, size-limited /dev/shm."""
+    problems = content_problems(objects)
     trainers = [main_container(objects, "trainer"), *run_trainers(objects)]
     for container in [*(main_container(objects, name) for name in ("replica", "proxy")), *trainers]:
         if not store_mounts(container):
@@ -198,8 +233,10 @@ def mount_problems(objects: list[Obj]) -> list[str]:
     for container in trainers:
         problems += trainer_store_problems(objects, container)
     for container in containers(objects):
+        if container.component == "replica":
+            problems += replica_store_problems(objects, container)
         root = environment(objects, container).get("ADAPTER_ROOT")
-        for mount in store_mounts(container) if container.component != "trainer" else []:
+        for mount in store_mounts(container) if container.component not in ("trainer", "replica") else []:
             if (container.component, container.name) not in ADAPTER_WRITERS and not mount.get("readOnly"):
                 problems.append(f"{container.where}: mounts the adapter store writable")
             if root and (mount["mountPath"] != root or mount.get("subPath")):

@@ -158,9 +158,30 @@ BREAKS: dict[str, tuple[str, Callable[[list[Obj]], object], str]] = {
         "gpu", lambda o: env_entry(o, "replica", "REPLICA_DEVICE_ASSIGNMENT").update(value="claim"), "scheduler"),
     "GPU on the proxy": (
         "cpu", lambda o: container(o, "proxy")["resources"]["limits"].update({"nvidia.com/gpu": 1}), "asks for"),
-    "writable store in a replica": (
+    "writable models in a replica": (
         "gpu", lambda o: next(m for m in container(o, "replica")["volumeMounts"] if m["name"] == "adapters")
-        .pop("readOnly"), "writable"),
+        .pop("readOnly"), "want its models alone, read-only"),
+    "a replica holding the whole store": (
+        "cpu", lambda o: next(m for m in container(o, "replica")["volumeMounts"] if m["name"] == "adapters")
+        .update(mountPath="/adapters", subPath=""), "want its models alone"),
+    "a replica's init container holding runs/": (
+        "gpu", lambda o: named(pod(o, "replica")["initContainers"], "wait-for-model")["volumeMounts"][0]
+        .update(mountPath="/adapters/runs", subPath="runs"), "want its models alone"),
+    "a trainer mounting the content store": (
+        "cpu", lambda o: (pod(o, "trainer")["volumes"].append(
+            {"name": "content", "persistentVolumeClaim": {"claimName": "content", "readOnly": True}}),
+            container(o, "trainer")["volumeMounts"].append(
+            {"name": "content", "mountPath": "/adapters/.content", "readOnly": True})),
+        "container trainer: mounts the content store"),
+    "a replica writing the content store": (
+        "gpu", lambda o: named(container(o, "replica")["volumeMounts"], "content").pop("readOnly"),
+        "mounts the content store at /adapters/.content readOnly=None (want /adapters/.content, ro)"),
+    "a read-only content store in the proxy": (
+        "example", lambda o: named(container(o, "proxy")["volumeMounts"], "content").update(readOnly=True),
+        "(want /adapters/.content, rw)"),
+    "a replica without the content store": (
+        "cpu", lambda o: container(o, "replica")["volumeMounts"].remove(
+            named(container(o, "replica")["volumeMounts"], "content")), "the replica does not mount the content"),
     "trainer holding the whole store": (
         "gpu", lambda o: store_mount(o, "trainer", "/adapters/runs/run1").update(mountPath="/adapters", subPath=""),
         "mounts /adapters of the store"),

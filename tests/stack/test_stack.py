@@ -9,6 +9,8 @@ from `.env.example` and the two keys (lorafleet_testing.stack_plan, .stack_drive
   2. `make status` and `make doctor` against it (the doctor PASSes, its failures would name the replica);
   3. the boundary on real networks: keys on the public port (127.0.0.1 only), the fleet port unreachable from the
      host and reachable from the trainer, replicas unreachable from the trainer, internal networks, non-root proxy;
+     the content store written by the proxy alone, read-only to replicas (which see no run's folder), invisible to
+     trainers, and a load naming it (or any path outside the run's folder) refused;
   4. the trainer `make up` started trains: every published version served by every replica (their own word),
      importance ratio within the doctor's bounds, adapters and checkpoints written to the store;
   5. the same greedy request gives identical tokens and logprobs on every replica;
@@ -19,6 +21,8 @@ from `.env.example` and the two keys (lorafleet_testing.stack_plan, .stack_drive
      order), the ledger and every replica agree, and how soon the fleet serves again is measured; run b is parked;
   7. `docker compose stop` of the trainer: checkpoint, exit 0, not restarted; `start` resumes from the checkpoint;
      then stopped again (a parked run: its adapters stay served, and the CPU goes to the fleet's own steps);
+     then given a few more steps and `docker kill`ed twice (after a step; as a checkpoint appears), brought back with
+     `docker compose start`, it finishes, and the chaos checker finds its run folder lossless;
   8. `make scale` up by one under traffic: the new replica holds every adapter before it gets traffic, no failure;
   9. a replica's main process killed under traffic: no client-visible failure, Docker restarts it, the proxy re-syncs
      it before it takes traffic again;
@@ -47,13 +51,15 @@ import httpx
 import pytest
 from lorafleet.adapters import LORA_DIR_NAME, fleet_dir, metrics_path
 from lorafleet.ledger_format import LEDGER_FILE
-from lorafleet.settings import StackSettings
+from lorafleet.settings import CommonSettings, StackSettings
+from lorafleet_ops.chaos.checker import RunSpec, check_run
 from lorafleet_ops.commands.doctor.checks import RATIO_FAIL
 from lorafleet_testing import stack_plan
 from lorafleet_testing.stack_driver import (
     REPO,
     Stack,
     StackSession,
+    checked,
     copy_project,
     detect_gpus,
     host_nvidia_smi,
@@ -61,6 +67,9 @@ from lorafleet_testing.stack_driver import (
 )
 from lorafleet_testing.stack_plan import RUN_NAME, Profile, StackPlan, ledger, metric_rows, url_host
 from lorafleet_testing.traffic import Traffic as CompletionTraffic
+from lorafleet_trainer.prompt_log import PROMPTS_FILE, effective
+from lorafleet_trainer.recipes import TINY_PROMPTS
+from lorafleet_trainer.run_state import WRITING_MARKER
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(3600)]
 
@@ -79,6 +88,9 @@ OUTAGE_S = 60.0  # the proxy stopped at least this long under training
 # already had needs the fleet only at its next sync. Well under TRAINER_FLEET_WAIT_S (600 s), when it would give up.
 MET_OUTAGE_S = 300.0
 FLEET_WAIT_LINE = "waiting for the fleet"  # in the rollouts' retries and the control calls' (control_call_waiting)
+# Steps the parked run is given for the trainer-kill test: one before the first kill, up to SAVE_STEPS (3) until the
+# checkpoint the second kill meets, and a last start that trains to MAX_STEPS.
+KILLED_RUN_STEPS = 6
 
 T = TypeVar("T")
 
@@ -91,6 +103,19 @@ headers = {"Content-Type": "application/json", "Authorization": "Bearer " + os.e
 body = sys.argv[2].encode() if len(sys.argv) > 2 else None
 print(urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=300).read().decode())
 """
+# A load as a trainer sends it, from inside its container, to its own TRAINER_VLLM_URL: prints the status and the body.
+LOAD = """
+import json, os, sys, urllib.error, urllib.request
+body = json.dumps({"lora_name": sys.argv[1], "lora_path": sys.argv[2]}).encode()
+url = os.environ["TRAINER_VLLM_URL"].rstrip("/") + "/v1/load_lora_adapter"
+request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+try:
+    answer = urllib.request.urlopen(request, timeout=300)
+    print(answer.status, answer.read().decode())
+except urllib.error.HTTPError as exc:
+    print(exc.code, exc.read().decode())
+"""
+CONTENT_MARKER = "stack-test-marker"  # not named like a fingerprint's hex: the store's garbage collection leaves it
 CONNECT = """
 import socket, sys
 try:
@@ -243,7 +268,7 @@ def assert_ratio_in_bounds(rows: list[dict[str, Any]]) -> None:
 
 
 def run_of(path: str) -> str:
-    """The run an adapter belongs to, from its path in the store (ADAPTER_ROOT/runs/<run>/...)."""
+    """The run an adapter belongs to, from the run folder it was published to (ADAPTER_ROOT/runs/<run>/...)."""
     return path.split("/runs/", 1)[1].split("/", 1)[0]
 
 
@@ -256,7 +281,9 @@ def every_replica_serves_the_ledger(stack: Stack, runs: tuple[str, ...] = (RUN_N
     if snapshot is None:
         return False
     live = ledger(snapshot)
-    assert len(live) >= 2 * len(runs) and {run_of(path) for path in live.values()} == set(runs), live
+    # A ledger entry's path is its content-store folder; `source` the run folder it was published to.
+    sources = [entry.get("source") or entry["path"] for entry in snapshot["ledger"]]
+    assert len(live) >= 2 * len(runs) and {run_of(path) for path in sources} == set(runs), snapshot["ledger"]
     served = {row["Name"]: served_by(stack, row["ID"]) for row in stack.containers(stack.plan.replica_service)}
     if ledger(fleet(stack)) != live:
         return False  # a publish happened meanwhile: ask again
@@ -365,6 +392,46 @@ def test_the_boundary_holds_on_real_networks(stack: Stack) -> None:
     ledger_file = f"{fleet_dir(ADAPTER_ROOT)}/{LEDGER_FILE}"
     owner = stack.compose("exec", "-T", "proxy", "stat", "-c", "%u", ledger_file).stdout
     assert owner.strip() == "10001", owner
+
+
+def test_the_content_store_is_the_proxys_to_write_replicas_read_it_and_trainers_never_see_it(stack: Stack) -> None:
+    """Issue 57 on the real engine (compose.yaml's mounts): the proxy's user writes the content store
+    (ADAPTER_ROOT/.content, the `content` volume); every replica reads it, writes nothing there and sees no run's
+    folder; a trainer sees no content store at all, and what it writes at that path never reaches it; a load naming a
+    folder of the store, or another path outside the run's folder, is refused (a 4xx with vLLM's error body) and loads
+    nothing."""
+    content = f"{ADAPTER_ROOT}/.content"
+    marker = f"{content}/{CONTENT_MARKER}"
+    (trainer_row,) = stack.containers(stack.plan.trainer_service)
+
+    def run_in(container: str, command: str) -> subprocess.CompletedProcess[str]:
+        return stack.docker("exec", container, "sh", "-c", command, check=False)
+
+    def in_store() -> list[str]:
+        return stack.compose("exec", "-T", "proxy", "ls", "-A", content, timeout_s=60).stdout.split()
+
+    stack.compose("exec", "-T", "proxy", "sh", "-c", f"mkdir -p {marker} && echo '{{}}' > {marker}/adapter_config.json",
+                  timeout_s=60)
+    try:
+        for row in stack.containers(stack.plan.replica_service):
+            assert set(run_in(row["ID"], f"ls -A {ADAPTER_ROOT}").stdout.split()) == {".content", ".fleet", "models"}, \
+                f"{row['Name']} sees more of the store than the models, its claims and the content store"
+            assert run_in(row["ID"], f"cat {marker}/adapter_config.json").stdout.strip() == "{}", row["Name"]
+            wrote = run_in(row["ID"], f"touch {marker}/intruder")
+            assert wrote.returncode != 0 and "Read-only" in wrote.stderr, f"{row['Name']} writes the content store"
+        assert run_in(trainer_row["ID"], f"ls -A {ADAPTER_ROOT}").stdout.split() == ["models", "runs"]
+        seen = run_in(trainer_row["ID"], f"ls -A {content}")
+        assert seen.returncode != 0, f"the trainer sees the content store: {seen.stdout}"
+        run_in(trainer_row["ID"], f"mkdir -p {content}/intruder")  # its own container layer, if its user may
+        assert "intruder" not in in_store(), "a trainer wrote into the content store"
+
+        for path in (marker, f"{ADAPTER_ROOT}/models"):
+            status, _, body = in_container(stack, trainer_row["ID"], LOAD, "intruder", path).strip().partition(" ")
+            assert status in ("400", "403"), f"a load of {path} answered {status}: {body}"
+            assert json.loads(body)["error"]["code"] == int(status), body
+        assert "intruder" not in ledger(fleet(stack)), "a refused load reached the ledger"
+    finally:
+        stack.compose("exec", "-T", "proxy", "rm", "-rf", marker, timeout_s=60, check=False)
 
 
 def test_the_trainer_trains_and_every_replica_serves_every_version(stack: Stack) -> None:
@@ -548,6 +615,98 @@ def test_stopping_the_trainer_checkpoints_and_starting_it_resumes(stack: Stack) 
     # CI machine a trainer at work would take the CPU a starting replica needs. Its adapters stay served.
     stack.compose("stop", stack.plan.trainer_service, timeout_s=300)
     assert trainer(stack)["State"]["ExitCode"] == 0, trainer(stack)["State"]
+
+
+def prompt_records(stack: Stack) -> list[dict[str, Any]]:
+    """The stack run's prompts.jsonl (a line per optimizer step, prompt_log's format), as the proxy reads it."""
+    path = f"{ADAPTER_ROOT}/runs/{RUN_NAME}/{PROMPTS_FILE}"
+    result = stack.compose("exec", "-T", "proxy", "cat", path, timeout_s=60, check=False)
+    return [json.loads(line) for line in result.stdout.splitlines() if line.strip()] if result.returncode == 0 else []
+
+
+def checkpoints(stack: Stack) -> set[str]:
+    return {name for name in store_entries(stack, RUN_NAME) if name.startswith("checkpoint-")}
+
+
+def restart_trainer(stack: Stack, *, recreate: bool = False) -> dict[str, Any]:
+    """The trainer brought back as an operator does: `docker compose start` of the killed container (its config and
+    log kept), or, after an edit of .env, `docker compose up -d --no-deps` with ADAPTERS_DIR as `make up` sets it
+    (compose.yaml's trainer binds its run folder from the adapters volume's directory on the engine's host)."""
+    if not recreate:
+        stack.compose("start", stack.plan.trainer_service, timeout_s=300)
+        return trainer(stack)
+    volume = stack.docker("volume", "inspect", "--format", "{{.Mountpoint}}", f"{stack.plan.project}_adapters",
+                          timeout_s=60).stdout.strip()
+    checked(stack.runner(["env", f"ADAPTERS_DIR={volume}", "docker", "compose", "--project-directory",
+                          str(stack.directory), "--profile", stack.plan.profile, "up", "-d", "--no-deps",
+                          stack.plan.trainer_service], 300))
+    return trainer(stack)
+
+
+def docker_kill(stack: Stack, state: dict[str, Any]) -> None:
+    """`docker kill` (SIGKILL to the whole container), then wait until its process is gone."""
+    stack.docker("kill", state["Id"])
+    wait_for(lambda: stack.inspect(state["Id"])["State"]["Pid"] != state["State"]["Pid"], "the killed trainer gone", 60,
+             every_s=0.5)
+
+
+def test_a_trainer_container_killed_twice_resumes_without_loss(stack: Stack, tmp_path: Path) -> None:
+    """The parked run is given KILLED_RUN_STEPS more steps (MAX_STEPS in .env, the run's total across starts; the
+    trainer recreated with it), then `docker kill`ed twice, at moments read from the run folder (not timed): after a
+    step of the start, while its rollouts for the next are generated; and the moment a new checkpoint folder appears
+    (written or being written). `docker kill` is a manual stop to Docker: `restart: on-failure` does not restart it
+    (Engine 20.10, checked: exit 137, RestartCount 0; a crash of the main process is restarted), so each time the
+    trainer is brought back as an operator would, `docker compose start`. The last start runs to MAX_STEPS and exits
+    0, not restarted. The chaos checker (lorafleet_ops.chaos.checker.check_run) then judges the run folder, copied out
+    of the volume, with the container's log over its starts: finished, no step past MAX_STEPS, the resume contract,
+    versions only going up, the published-version window and the importance ratio."""
+    started = time.monotonic()
+    stack.compose("stop", stack.plan.trainer_service, timeout_s=300)  # parked (a no-op after the previous test)
+    parked = effective(prompt_records(stack))
+    max_steps = (parked[-1]["step"] if parked else 0) + KILLED_RUN_STEPS
+    original_env = stack.env_file.read_text()
+    kills: list[dict[str, Any]] = []
+    try:
+        stack.env_file.write_text(stack_plan.user_env_file(original_env, {"MAX_STEPS": str(max_steps)}))
+        lines = len(prompt_records(stack))
+        state = restart_trainer(stack, recreate=True)
+        wait_for(lambda: len(prompt_records(stack)) > lines, "a step of the first start", 1200, every_s=0.5,
+                 alive=lambda: trainer_running(stack))
+        docker_kill(stack, state)
+        kills.append({"phase": "generating", "after_step": prompt_records(stack)[-1]["step"]})
+
+        before = checkpoints(stack)
+        state = restart_trainer(stack)
+        written = wait_for(lambda: checkpoints(stack) - before, "a checkpoint of the second start", 1200, every_s=0.2,
+                           alive=lambda: trainer_running(stack))
+        docker_kill(stack, state)
+        checkpoint = max(written, key=lambda name: int(name.removeprefix("checkpoint-")))
+        mid_write = WRITING_MARKER in store_entries(stack, f"{RUN_NAME}/{checkpoint}")
+        kills.append({"phase": "checkpoint_write" if mid_write else "checkpoint_written", "checkpoint": checkpoint})
+
+        state = restart_trainer(stack)
+        wait_for(lambda: not trainer_running(stack), f"the run's last start reaching MAX_STEPS={max_steps}", 1800,
+                 every_s=5)
+        finished = trainer(stack)
+    finally:
+        stack.env_file.write_text(original_env)
+    assert finished["State"]["ExitCode"] == 0, finished["State"]
+    assert finished["RestartCount"] == state["RestartCount"], "the finished trainer was restarted"
+
+    folder = tmp_path / RUN_NAME
+    (proxy,) = stack.containers("proxy")
+    stack.docker("cp", f"{proxy['ID']}:{ADAPTER_ROOT}/runs/{RUN_NAME}", str(folder), timeout_s=300)
+    spec = RunSpec(max_steps=max_steps, max_staleness=int(CommonSettings.model_fields["max_staleness"].default),
+                   exit_code=finished["State"]["ExitCode"], log=stack.logs(finished["Id"]),
+                   rows=TINY_PROMPTS if stack.plan.profile == "cpu" else None)
+    violations = check_run(RUN_NAME, spec, folder)
+    assert not violations, "\n".join(f"VIOLATION {v.invariant}: {v.reason}\n  first bad record: {v.record}"
+                                     for v in violations)
+    figures = {"kills": kills, "max_steps": max_steps, "starts": 3, "test_s": round(time.monotonic() - started, 1),
+               "profile": stack.plan.profile}
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "trainer-kills.json").write_text(json.dumps(figures, indent=2) + "\n")
+    print(f"\nkilled twice ({kills}), resumed, finished at {max_steps}: {figures['test_s']} s")
 
 
 def test_make_scale_under_traffic_syncs_the_new_replica_before_it_gets_traffic(stack: Stack) -> None:

@@ -5,6 +5,8 @@ version among them) is reported under its invariant with its first bad record, t
 from __future__ import annotations
 
 import json
+import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,10 +25,17 @@ from lorafleet_ops.chaos.checker import (
     render,
 )
 from lorafleet_trainer.prompt_log import PROMPTS_FILE, effective
+from lorafleet_trainer.provenance import ROLLOUTS_FILE
 from lorafleet_trainer.resume import rollback_bound
 
 GENERATIONS = 8
 REPLICAS = ("http://127.0.0.1:1", "http://127.0.0.1:2")
+EPOCH = 1_800_000_000.0  # the synthetic runs' clock: start k begins at EPOCH + 1000 k
+
+
+def stamped(at: float, text: str) -> str:
+    """A trainer log line at time `at`, stamped as lorafleet.logs stamps it."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(at)) + f".{int(at * 1000) % 1000:03d}Z INFO {text}"
 
 
 @dataclass(frozen=True)
@@ -52,11 +61,17 @@ class Run:
     published: list[int] = field(default_factory=list)
     checkpoints: set[int] = field(default_factory=set)
     shift: int = 0  # planted: the final start's stream starts this far off its checkpoint's head
+    exits: list[int] = field(default_factory=list)
 
     def start(self, attempt: int, at: int, steps: int, final: bool) -> None:
         plan = self.plan
         bound = rollback_bound(plan.save_steps, plan.groups * GENERATIONS, GENERATIONS)
-        self.log.append(f"event=prompt_stream resume_at={at * plan.groups} skip=0 rollback_groups_max={bound}")
+        began = EPOCH + 1000 * attempt  # its attempt: after its event=resuming line, before its prompt_stream
+        if at:
+            self.log.append(stamped(began - 1, f"event=resuming checkpoint=checkpoint-{at} step={at}"))
+        self.log.append(stamped(began + 2, f"event=prompt_stream resume_at={at * plan.groups} skip=0 rows={plan.rows} "
+                                           f"rollback_groups_max={bound}"))
+        self.exits.append(-9)
         version = max(self.published, default=0) + 1
         self.published.append(version)  # the cold sync
         offset = self.shift if final else 0
@@ -65,7 +80,7 @@ class Run:
             positions = [(step - 1) * plan.groups + g + offset for g in range(plan.groups)]
             consumed.update(positions)
             head = next(p for p in range(len(consumed) + 1) if p not in consumed)  # as the trainer counts it
-            self.lines.append({"step": step, "attempt": attempt, "policy_version": version, "positions": positions,
+            self.lines.append({"step": step, "attempt": began, "policy_version": version, "positions": positions,
                                "prompts": [p % plan.rows for p in positions], "dropped": [], "next": head})
             version += 1
             self.published.append(version)
@@ -83,6 +98,7 @@ class Run:
             at = max(resumed, at)
         self.start(len(self.plan.kills), at, self.plan.max_steps - at, final=True)
         self.log.append(f"event=finished steps={self.plan.max_steps}")
+        self.exits[-1] = 0
 
     def window(self) -> list[int]:
         return self.published[-(self.plan.max_staleness + 2):]
@@ -95,10 +111,12 @@ def plans() -> st.SearchStrategy[Plan]:
 
 
 def write(folder: Path, runs: dict[str, Run], seed: int = 7, final_ledger: dict[str, str] | None = None) -> Path:
-    """The chaos folder of `runs`: manifest, each run's folder and log, and the fleet as sampled at each publish."""
+    """The chaos folder of `runs`: manifest, each run's folder and log, the fleet as sampled at each publish (every
+    replica holding the ledger), and each step's rollouts, answered while their version was held."""
     spec: dict[str, Any] = {}
     samples: list[dict[str, Any]] = []
     ledger: dict[str, str] = {}
+    clock = iter(range(10**6))
     for name, run in runs.items():
         plan = run.plan
         run_folder = folder / ADAPTERS / "runs" / name
@@ -114,18 +132,33 @@ def write(folder: Path, runs: dict[str, Run], seed: int = 7, final_ledger: dict[
             (lora / policy_name(version)).mkdir()
         (folder / f"{name}.log").write_text("\n".join(run.log) + "\n")
         spec[name] = {"max_steps": plan.max_steps, "max_staleness": plan.max_staleness, "exit_code": 0,
-                      "log": f"{name}.log", "rows": plan.rows}
+                      "log": f"{name}.log", "rows": plan.rows, "exits": run.exits}
+        published_at: dict[int, float] = {}
         for version in run.published:
             ledger[qualify(name, policy_name(version))] = f"sha256:{name}-{version}"
-            samples.append({"time": len(samples), "ledger": dict(ledger), "replicas": {}})
+            published_at[version] = next(clock)
+            samples.append({"time": published_at[version], "ledger": dict(ledger), "replicas": {},
+                            "held": {url: sorted(ledger) for url in REPLICAS}})
+        (run_folder / ROLLOUTS_FILE).write_text("".join(json.dumps(rollout(name, line, position, published_at)) + "\n"
+                                                        for line in run.lines for position in line["positions"]))
         stale = {qualify(name, policy_name(v)) for v in run.published if v not in run.window()}
         ledger = {key: value for key, value in ledger.items() if key not in stale}
     final = ledger if final_ledger is None else final_ledger
-    samples.append({"time": len(samples), "ledger": final, "replicas": {url: sorted(ledger) for url in REPLICAS}})
+    samples.append({"time": next(clock), "ledger": final, "replicas": {url: sorted(ledger) for url in REPLICAS},
+                    "held": {url: sorted(ledger) for url in REPLICAS}})
     (folder / OBSERVED).write_text("".join(json.dumps(sample) + "\n" for sample in samples))
     schedule = [{"at_step": 1.5, "kind": "sigkill", "target": "trainer-a", "hold_s": 0.0, "phase": "training"}]
     (folder / MANIFEST).write_text(json.dumps({"seed": seed, "schedule": schedule, "runs": spec}))
     return folder
+
+
+def rollout(run: str, line: dict[str, Any], position: int, published_at: dict[int, float]) -> dict[str, Any]:
+    """A sample of `position` generated with the line's version, logged half a sample after its publish."""
+    version = line["policy_version"]
+    answer = {"replica": REPLICAS[position % len(REPLICAS)], "adapter": qualify(run, policy_name(version)),
+              "fingerprint": f"sha256:{run}-{version}", "tokens": 4}
+    return {"time": published_at[version] + 0.5, "group": position, "version": version, "tokens": 4,
+            "answers": [answer], "key": "0"}
 
 
 def trained(plan: Plan, shift: int = 0) -> Run:
@@ -164,7 +197,7 @@ def test_a_start_past_max_steps_is_caught_at_its_first_line(tmp_path_factory, pl
     run.start(attempt=99, at=plan.max_steps, steps=1, final=False)
     run.log.append(f"event=finished steps={plan.max_steps + 1}")
     record = _violated(write(tmp_path_factory.mktemp("chaos"), {"a": run}), "no_step_past_max")
-    assert record["step"] == plan.max_steps + 1 and record["attempt"] == 99
+    assert record["step"] == plan.max_steps + 1 and record["attempt"] == EPOCH + 99_000
 
 
 @SETTINGS
@@ -186,7 +219,7 @@ def test_a_resume_before_its_checkpoints_head_is_caught(tmp_path_factory, plan: 
     breaks the contract at the final start's first line. (One that starts past the head is not seen: the trainer's
     head then stays at the group it jumped, and holes are judged below the head; docs/benchmarks/chaos.md.)"""
     run = trained(plan, shift=-1)
-    first = next(line for line in run.lines if line["attempt"] == len(plan.kills))
+    first = next(line for line in run.lines if line["attempt"] == EPOCH + 1000 * len(plan.kills))
     assume(first["step"] > 1)
     assert _violated(write(tmp_path_factory.mktemp("chaos"), {"a": run}), "resume_contract") == first
 
@@ -195,7 +228,7 @@ def test_rolled_back_repeats_past_the_logged_bound_are_caught(tmp_path: Path) ->
     run = trained(Plan(max_steps=8, save_steps=2, groups=2, max_staleness=2, kills=[(3, False)]))
     run.log = [line.replace("rollback_groups_max=5", "rollback_groups_max=1") for line in run.log]
     record = _violated(write(tmp_path, {"a": run}), "resume_contract")
-    assert record["step"] == 3 and record["attempt"] == 0
+    assert record["step"] == 3 and record["attempt"] == EPOCH
 
 
 def test_a_start_that_never_logged_its_bound_is_reported(tmp_path: Path) -> None:
@@ -221,7 +254,7 @@ def test_a_run_short_of_max_steps_is_caught(tmp_path: Path) -> None:
 
 def test_versions_going_back_are_caught(tmp_path: Path) -> None:
     run = trained(Plan(max_steps=6, save_steps=2, groups=1, max_staleness=2, kills=[(3, False)]))
-    first_of_second_start = next(line for line in run.lines if line["attempt"] == 1)
+    first_of_second_start = next(line for line in run.lines if line["attempt"] == EPOCH + 1000)
     first_of_second_start["policy_version"] = 1
     assert _violated(write(tmp_path, {"a": run}), "versions_go_up") == first_of_second_start
 
@@ -267,3 +300,132 @@ def test_an_importance_ratio_past_its_bound_is_caught(tmp_path: Path) -> None:
     metrics = folder / ADAPTERS / "runs" / "a" / METRICS_FILE
     metrics.write_text(metrics.read_text() + json.dumps({"step": 4, "ratio": 1.2}) + "\n")
     assert _violated(folder, "importance_ratio") == {"step": 4, "ratio": 1.2}
+
+
+def _rewrite(path: Path, change: Any) -> list[dict[str, Any]]:
+    """Apply `change` to the JSON lines of `path`, in place; the lines after it."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    change(lines)
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return lines
+
+
+@SETTINGS
+@given(plan=plans(), pick=st.integers(0, 10**6))
+def test_a_rollout_naming_a_content_the_ledger_never_held_is_caught(tmp_path_factory, plan: Plan, pick: int) -> None:
+    folder = write(tmp_path_factory.mktemp("chaos"), {"a": trained(plan)})
+    path = folder / ADAPTERS / "runs" / "a" / ROLLOUTS_FILE
+    index = pick % len(path.read_text().splitlines())
+
+    def plant(lines: list[dict[str, Any]]) -> None:
+        lines[index]["answers"][0]["fingerprint"] = "sha256:another-content"
+
+    lines = _rewrite(path, plant)
+    assert _violated(folder, "provenance") == lines[index]
+
+
+@SETTINGS
+@given(plan=plans(), pick=st.integers(0, 10**6))
+def test_a_rollout_from_a_replica_never_seen_holding_its_version_is_caught(tmp_path_factory, plan: Plan,
+                                                                           pick: int) -> None:
+    """A replica that answered for a version it had lost (restarted, never caught up): it never listed the name."""
+    folder = write(tmp_path_factory.mktemp("chaos"), {"a": trained(plan)})
+    path = folder / ADAPTERS / "runs" / "a" / ROLLOUTS_FILE
+    rollouts = [json.loads(line) for line in path.read_text().splitlines()]
+    bad = rollouts[pick % len(rollouts)]
+    replica, name = bad["answers"][0]["replica"], bad["answers"][0]["adapter"]
+
+    def forget(samples: list[dict[str, Any]]) -> None:
+        for sample in samples:
+            sample["held"][replica] = [held for held in sample["held"][replica] if held != name]
+
+    _rewrite(folder / OBSERVED, forget)
+    first = next(r for r in rollouts if r["answers"][0]["replica"] == replica and r["answers"][0]["adapter"] == name)
+    assert _violated(folder, "provenance") == first
+
+
+def test_a_replica_seen_holding_the_version_only_after_the_rollout_is_caught(tmp_path: Path) -> None:
+    folder = write(tmp_path, {"a": trained(Plan(max_steps=4, save_steps=2, groups=1, max_staleness=2, kills=[]))})
+    path = folder / ADAPTERS / "runs" / "a" / ROLLOUTS_FILE
+
+    def early(lines: list[dict[str, Any]]) -> None:
+        lines[-1]["time"] = -5.0  # logged before the first sample: nobody held anything yet
+
+    lines = _rewrite(path, early)
+    assert _violated(folder, "provenance") == lines[-1]
+
+
+def test_provenance_is_not_judged_without_the_fleets_history(tmp_path: Path) -> None:
+    """A chaos folder without observed samples (a test that did not observe the fleet) is judged on the rest."""
+    folder = write(tmp_path, {"a": trained(Plan(max_steps=4, save_steps=2, groups=1, max_staleness=2, kills=[]))})
+    (folder / OBSERVED).unlink()
+    report = check_folder(folder)
+    assert report.ok and "provenance" not in report.checked and "errors_retried" in report.checked
+
+
+PROMISED = [
+    "rollout waiting for the fleet: ClientConnectorError: Cannot connect to host 127.0.0.1:1 ssl:default "
+    "[Connect call failed ('127.0.0.1', 1)]; 0s of TRAINER_FLEET_WAIT_S=600, retry in 1.0s",
+    "rollout waiting for the fleet: ServerDisconnectedError: Server disconnected; 3s of TRAINER_FLEET_WAIT_S=600, "
+    "retry in 2.0s",
+    "rollout waiting for the fleet: ClientResponseError: 503, message='Service Unavailable', url='x'; 0s of "
+    "TRAINER_FLEET_WAIT_S=600, retry in 1.0s",
+    "rollout waiting for the fleet: ClientResponseError: 429, message='Too Many Requests', url='x'; 0s of "
+    "TRAINER_FLEET_WAIT_S=600, retry in 1.0s",
+    "rollout waiting for the fleet: TimeoutError: ; 5s of TRAINER_FLEET_WAIT_S=600, retry in 4.0s",
+    'event=control_call_waiting call="POST /runs/a/v1/load_lora_adapter" cause="NewConnectionError: refused" '
+    'attempt=1 retry_in_s=0.5 reason="waiting for the fleet, up to TRAINER_FLEET_WAIT_S"',
+    "event=control_call_waiting call=\"POST /runs/a/v1/load_lora_adapter\" cause=\"ProtocolError: ('Connection "
+    "aborted.', ConnectionResetError(104, 'Connection reset by peer'))\" attempt=1",
+    'event=control_call_waiting call="POST /pause" cause="HTTP 503" attempt=2 retry_in_s=1.0',
+    'event=refused reason="refusing to start: /x has 0.01 GB free, under TRAINER_MIN_FREE_GB=0.03; free space"',
+    "event=probe_no_slot error=\"409 SlotBudgetExceeded: run 'default' does not fit\"",
+]
+UNPROMISED = [
+    "rollout waiting for the fleet: ClientResponseError: 400, message='Bad Request', url='x'; 0s of "
+    "TRAINER_FLEET_WAIT_S=600, retry in 1.0s",
+    "rollout waiting for the fleet: InvalidURL: x; 0s of TRAINER_FLEET_WAIT_S=600, retry in 1.0s",
+    'event=control_call_waiting call="POST /pause" cause="HTTP 500" attempt=1 retry_in_s=0.5',
+    'event=control_call_waiting call="POST /pause" cause="ReadTimeoutError: read timed out" attempt=1',
+    "rollout gave up: the fleet failed for 600s (TRAINER_FLEET_WAIT_S=600): ClientConnectorError: refused",
+    'event=refused reason="the fleet answered 401: run key refused"',
+]
+
+
+@SETTINGS
+@given(promised=st.lists(st.sampled_from(PROMISED), max_size=6), unpromised=st.sampled_from(UNPROMISED),
+       at=st.integers(0, 6))
+def test_an_error_the_docs_do_not_promise_to_retry_is_caught_among_promised_ones(
+        tmp_path_factory, promised: list[str], unpromised: str, at: int) -> None:
+    run = trained(Plan(max_steps=4, save_steps=2, groups=1, max_staleness=2, kills=[(1, False)]))
+    run.log[1:1] = [stamped(EPOCH + 1.5, line) for line in promised]
+    clean = write(tmp_path_factory.mktemp("chaos"), {"a": run})
+    assert check_folder(clean).ok, render(check_folder(clean))
+    planted = stamped(EPOCH + 1.5, unpromised)
+    run.log.insert(1 + min(at, len(promised)), planted)
+    assert _violated(write(tmp_path_factory.mktemp("chaos"), {"a": run}), "errors_retried") == planted
+
+
+@pytest.mark.parametrize("code", [1, 2, -6, -15])
+def test_a_start_that_ended_on_its_own_error_is_caught(tmp_path: Path, code: int) -> None:
+    """A start that exited neither done, nor refused, nor SIGKILLed by the nemesis: an error reached the trainer."""
+    run = trained(Plan(max_steps=4, save_steps=2, groups=1, max_staleness=2, kills=[(1, False)]))
+    run.exits[0] = code
+    run.log.insert(1, stamped(EPOCH + 1.5, "ERROR requests.exceptions.HTTPError: 400 Client Error"))
+    assert "HTTPError" in _violated(write(tmp_path, {"a": run}), "errors_retried")
+
+
+@SETTINGS
+@given(plan=plans(), off=st.sampled_from([(1, 0), (-1, 0), (0, 1)]), pick=st.integers(0, 10**6))
+def test_a_start_resuming_off_its_checkpoints_head_is_caught_at_its_stream_line(tmp_path_factory, plan: Plan,
+                                                                              off: tuple[int, int], pick: int) -> None:
+    """One group late or early, or skipping a consumed group above the head it does not hold (consumed_above
+    mislaid): the start's logged stream against the prompt log's checkpoint."""
+    run = trained(plan)
+    streams = [index for index, line in enumerate(run.log) if "event=prompt_stream" in line]
+    index = streams[pick % len(streams)]
+    head, skip = (int(v) for v in re.search(r"resume_at=(\d+) skip=(\d+)", run.log[index]).groups())  # type: ignore[union-attr]
+    assume(head + off[0] >= 0)
+    run.log[index] = run.log[index].replace(f"resume_at={head} skip={skip}",
+                                            f"resume_at={head + off[0]} skip={skip + off[1]}")
+    assert _violated(write(tmp_path_factory.mktemp("chaos"), {"a": run}), "resume_contract") == run.log[index]

@@ -832,10 +832,10 @@ def test_cli_probe_flags_default_to_auto():
 def test_doctor_reads_the_ledger_the_proxy_writes(tmp_path: Path) -> None:
     """One reader of the ledger format: what the proxy's writer puts on disk is what the doctor sees."""
     root = tmp_path.resolve()
-    adapters = {f"trl-policy-v{v}": ledger_format.Entry(str(root / "runs" / "r" / f"v{v}"), f"sha256:{v}")
-                for v in (3, 4)}
+    adapters = {f"trl-policy-v{v}": ledger_format.Entry(str(root / ".content" / f"{v:064x}"), f"sha256:{v:064x}",
+                                                       source=str(root / "runs" / "r" / f"v{v}")) for v in (3, 4)}
     assert read_ledger_file(root) is None  # no file yet
     ledger_format.write(ledger_format.ledger_path(root), ledger_format.LedgerState(adapters, paused="keep"))
-    assert read_ledger_file(root) == [(name, entry.path) for name, entry in adapters.items()]
+    assert read_ledger_file(root) == [(name, entry.path, entry.source) for name, entry in adapters.items()]
     ledger_format.ledger_path(root).write_text('{"version": 2, "adapt')  # torn or corrupt: unknown, not empty
     assert read_ledger_file(root) is None

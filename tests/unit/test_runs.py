@@ -41,19 +41,29 @@ def test_run_urls() -> None:
         url_run("http://proxy:8000/runs/a--b")
 
 
-def test_ledger_v3_keeps_runs_and_each_entrys_run_and_v2_stays_for_a_single_run(tmp_path: Path) -> None:
+def test_ledger_v4_keeps_runs_each_entrys_run_its_store_folder_and_source(tmp_path: Path) -> None:
+    store = tmp_path / ".content"
     state = LedgerState(paused=None, runs={"b": RunRecord(1, 2.0, "wait")})
-    state.adapters["trl-policy-v1"] = Entry(str(tmp_path / "d"), "sha256:1")
-    state.adapters["b--trl-policy-v1"] = Entry(str(tmp_path / "runs" / "b" / "v1"), "sha256:2", "b")
+    state.adapters["trl-policy-v1"] = Entry(str(store / "01"), "sha256:01", source=str(tmp_path / "d"))
+    state.adapters["b--trl-policy-v1"] = Entry(str(store / "02"), "sha256:02", "b", str(tmp_path / "runs" / "b" / "v1"))
     payload = json.loads(serialize(state))
-    assert payload["version"] == 3 and payload["runs"] == {"b": {"max_staleness": 1, "weight": 2.0, "paused": "wait"}}
-    assert [(e["name"], e["run"]) for e in payload["adapters"]] == [("trl-policy-v1", "default"),
-                                                                    ("b--trl-policy-v1", "b")]
+    assert payload["version"] == 4 and payload["runs"] == {"b": {"max_staleness": 1, "weight": 2.0, "paused": "wait"}}
+    assert [(e["name"], e["run"], e["source"]) for e in payload["adapters"]] == [
+        ("trl-policy-v1", "default", str(tmp_path / "d")), ("b--trl-policy-v1", "b", str(tmp_path / "runs/b/v1"))]
     restored = parse(serialize(state), tmp_path)
-    assert restored.same_as(state)
-    single = LedgerState(adapters={"trl-policy-v1": Entry(str(tmp_path / "d"))})
-    assert json.loads(serialize(single)) == {"version": 2, "paused": None, "adapters": [
-        {"name": "trl-policy-v1", "path": str(tmp_path / "d"), "fingerprint": ""}]}
+    assert restored.same_as(state) and restored.dropped == []
+
+
+def test_a_v4_entry_that_is_not_its_contents_store_folder_is_dropped(tmp_path: Path) -> None:
+    """The store folder is named by the content: another path, or another folder's name, is refused when read."""
+    text = json.dumps({"version": 4, "runs": {}, "adapters": [
+        {"name": "ok", "path": str(tmp_path / ".content" / "0a"), "fingerprint": "sha256:0a", "source": ""},
+        {"name": "run-folder", "path": str(tmp_path / "runs" / "x"), "fingerprint": "sha256:0b", "source": ""},
+        {"name": "other-name", "path": str(tmp_path / ".content" / "0c"), "fingerprint": "sha256:0d", "source": ""},
+        {"name": "unknown", "path": str(tmp_path / ".content" / "0e"), "fingerprint": "", "source": ""}]})
+    state = parse(text, tmp_path)
+    assert list(state.adapters) == ["ok"] and len(state.dropped) == 3
+    assert all("is not the content store's folder of fingerprint" in why for why in state.dropped)
 
 
 @pytest.mark.parametrize("runs", ['{"a--b": {"max_staleness": 1}}', '{"b": {"max_staleness": -1}}',

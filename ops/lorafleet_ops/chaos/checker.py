@@ -10,13 +10,15 @@ The chaos folder:
 
     chaos.json      {"seed": n, "schedule": [fault, ...],
                      "runs": {"<run>": {"max_steps": n, "max_staleness": n, "exit_code": n, "log": "<file>",
-                                        "rows": n | null}}}
+                                        "rows": n | null, "exits": [n, ...]}}}
     adapters/       the ADAPTER_ROOT: runs/<run>/{prompts.jsonl, metrics.jsonl, checkpoint-N, .vllm_lora}
     observed.jsonl  the fleet as sampled during the run, one line a sample, the last one after the last fault
                     healed: {"time": t, "ledger": {"<name>": "<fingerprint>"},
-                             "replicas": {"<url>": ["<adapter>", ...] | null (not ready)}}
+                             "replicas": {"<url>": ["<adapter>", ...] | null (not ready)},
+                             "held": {"<url>": ["<adapter>", ...] | null (not answering)}}
 
-A run's `log` is its trainer's output over all its starts, relative to the folder; `exit_code` its last start's.
+A run's `log` is its trainer's output over all its starts, relative to the folder; `exit_code` its last start's,
+`exits` every start's. A replica's <url> is the one the proxy knows it by (what provenance names).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from lorafleet_trainer.prompt_log import (
     version_breach,
 )
 
+from lorafleet_ops.chaos.client_errors import error_findings
+from lorafleet_ops.chaos.provenance import FleetHistory, provenance_findings
+from lorafleet_ops.chaos.resumes import resume_findings
 from lorafleet_ops.commands.doctor.checks import RATIO_FAIL
 
 MANIFEST = "chaos.json"
@@ -60,7 +65,10 @@ INVARIANTS = (
     "ledger_equals_replicas",  # at the end every ready replica holds exactly the ledger's adapters
     "importance_ratio",  # every logged ratio within 1 ± RATIO_FAIL (the doctor's FAIL line)
     "version_window",  # a run's .vllm_lora holds at most MAX_STALENESS + 2 published versions
+    "provenance",  # every rollout names a content the ledger held under its name, on a replica seen holding it
+    "errors_retried",  # no trainer met an error the docs do not promise to retry
 )
+FLEET_HISTORY = ("provenance",)  # judged only where the fleet was observed
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ class RunSpec:
     exit_code: int | None
     log: str  # the trainer's output over all its starts
     rows: int | None = None  # the task's dataset rows, when known: prompt ids are checked against positions
+    exits: tuple[int, ...] = ()  # every start's exit code, when known
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,7 @@ def check_folder(folder: Path) -> Report:
     """Every invariant over a chaos folder."""
     manifest = json.loads((folder / MANIFEST).read_text())
     runs = {name: RunSpec(max_steps=spec["max_steps"], max_staleness=spec["max_staleness"],
-                          exit_code=spec.get("exit_code"), rows=spec.get("rows"),
+                          exit_code=spec.get("exit_code"), rows=spec.get("rows"), exits=tuple(spec.get("exits", ())),
                           log=(folder / spec["log"]).read_text() if (folder / spec["log"]).exists() else "")
             for name, spec in manifest["runs"].items()}
     observed_path = folder / OBSERVED
@@ -113,8 +122,14 @@ def check_folder(folder: Path) -> Report:
 def check(adapter_root: Path, runs: dict[str, RunSpec], observed: list[dict[str, Any]], seed: int | None = None,
           schedule: Sequence[Any] = ()) -> Report:
     report = Report(seed, list(schedule))
+    history = FleetHistory(observed) if observed else None
+    if history is None:
+        report.checked = [invariant for invariant in INVARIANTS if invariant not in FLEET_HISTORY]
     for run, spec in runs.items():
         report.violations += check_run(run, spec, adapter_root / "runs" / run)
+        if history is not None:
+            report.violations += [Violation("provenance", run, *finding)
+                                  for finding in provenance_findings(adapter_root / "runs" / run, history)]
     report.violations += check_fleet(observed)
     return report
 
@@ -138,7 +153,9 @@ def check_run(run: str, spec: RunSpec, folder: Path) -> list[Violation]:
     else:
         found.append(Violation("resume_contract", run, "no start logged its rollback bound (event=prompt_stream)",
                                None))
+    found += [Violation("resume_contract", run, *finding) for finding in resume_findings(spec.log, records)]
     breach("versions_go_up", version_breach(records))
+    found += [Violation("errors_retried", run, *finding) for finding in error_findings(spec.log, spec.exits)]
     return found
 
 

@@ -25,7 +25,9 @@ from lorafleet_trainer.prompt_log import read_prompt_log
 from lorafleet_trainer.recipes import TINY_PROMPTS
 from lorafleet_trainer.run_state import WRITING_MARKER
 
+from lorafleet_ops.chaos import disk
 from lorafleet_ops.chaos.checker import ADAPTERS, MANIFEST, OBSERVED, Report, check_folder
+from lorafleet_ops.chaos.disk import RunDisk
 from lorafleet_ops.chaos.nemesis import Nemesis, fault_stream
 from lorafleet_ops.chaos.observe import Observer
 from lorafleet_ops.chaos.relay import Relay
@@ -48,25 +50,32 @@ class Form:
     mean_gap_steps: float = 3.0  # between faults, in steps the runs log together
     max_hold_s: float = 8.0
     kinds: dict[str, tuple[str, ...]] = field(default_factory=lambda: {
-        "replica": ("sigkill", "sigstop", "partition"), "proxy": ("sigkill", "sigstop"),
-        "trainer": ("sigkill", "sigstop")})
+        "replica": ("sigkill", "sigstop", "partition", "scale"), "proxy": ("sigkill", "sigstop"),
+        "trainer": ("sigkill", "sigstop", "disk_full")})
     timeout_s: float = 1500.0  # the runs must reach their steps within this
 
 
-def chaos(form: Form, folder: Path, replicas: list[Service], model: Path) -> tuple[Report, dict[str, Any]]:
+def chaos(form: Form, folder: Path, replicas: list[Service], model: Path,
+          spares: list[Service] | None = None) -> tuple[Report, dict[str, Any]]:
     """Run `form` on `replicas` (started, healthy; the harness may kill and restart them, same port), with the tiny
-    model at `model`, leaving the chaos folder `folder`; the checker's report and the run's summary."""
+    model at `model`, leaving the chaos folder `folder`; the checker's report and the run's summary. `spares` are
+    replica slots empty at the start (not started) that scale faults fill."""
     root, logs = (folder / ADAPTERS).resolve(), folder / "logs"
     root.mkdir(parents=True)
     keys = {run: _run_key(root, run) for run in form.runs}  # before the proxy reads RUN_KEYS_DIR
-    relays = {f"replica-{i}": Relay(int(r.url.rsplit(":", 1)[1])).start() for i, r in enumerate(replicas)}
+    slots = [*replicas, *(spares or [])]
+    relays = {f"replica-{i}": Relay(int(r.url.rsplit(":", 1)[1])).start() for i, r in enumerate(slots)}
+    absent = [f"replica-{i}" for i in range(len(replicas), len(slots))]
+    disks = ({f"trainer-{run}": RunDisk(run_dir(root, run), log).mount() for run in form.runs}
+             if "disk_full" in form.kinds.get("trainer", ()) else {})
     env = {"ADAPTER_ROOT": str(root), "PROXY_UPSTREAMS": ",".join(relay.url for relay in relays.values()),
            "RUN_KEYS_DIR": str(root / "run-keys"), "LOG_LEVEL": "INFO"}
     proxy = proxy_service("chaos-proxy", env, logs).start()
-    services = {name: Supervised(replica, UNLESS_STOPPED) for name, replica in zip(relays, replicas, strict=True)}
+    services = {name: Supervised(replica, UNLESS_STOPPED, stopped=name in absent)
+                for name, replica in zip(relays, slots, strict=True)}
     services["proxy"] = Supervised(proxy, UNLESS_STOPPED)
     trainers: dict[str, Supervised] = {}
-    own_urls = {relay.url: replica.url for relay, replica in zip(relays.values(), replicas, strict=True)}
+    own_urls = {relay.url: replica.url for relay, replica in zip(relays.values(), slots, strict=True)}
     observer = Observer(root, proxy.url, own_urls, form.runs, folder / OBSERVED)
     supervisor = Supervisor(list(services.values()))
     started = time.monotonic()
@@ -75,12 +84,12 @@ def chaos(form: Form, folder: Path, replicas: list[Service], model: Path) -> tup
         observer.start()
         supervisor.start()
         for run in form.runs:  # one after the other: two pre-training doctors at once read each other's pauses
-            trainers[run] = services[f"trainer-{run}"] = _launch(supervisor, _trainer(form, run, root, proxy.url,
-                                                                                       model, logs, keys[run]))
+            trainer = _trainer(form, run, root, proxy.url, model, logs, keys[run], bool(disks))
+            trainers[run] = services[f"trainer-{run}"] = _launch(supervisor, trainer)
             _wait_logged(trainers[run].service, "event=doctor_passed", started + HEAL_TIMEOUT_S)
         targets = {name: form.kinds[name.split("-")[0]] for name in services}
-        nemesis = Nemesis(fault_stream(form.seed, targets, form.mean_gap_steps, form.max_hold_s), services, relays,
-                          _phase(services, root), log)
+        nemesis = Nemesis(fault_stream(form.seed, targets, form.mean_gap_steps, form.max_hold_s, absent), services,
+                          relays, _phase(services, root), log, disks)
         done = threading.Event()
         progress = _progress(root, form.runs)
         thread = threading.Thread(target=nemesis.run, args=(done.is_set, progress), daemon=True)
@@ -92,7 +101,8 @@ def chaos(form: Form, folder: Path, replicas: list[Service], model: Path) -> tup
         thread.join(timeout=form.max_hold_s + 30)
         for relay in relays.values():
             relay.heal()
-        _wait_ready(observer, set(observer.replicas), deadline + HEAL_TIMEOUT_S)
+        present = {relay.url for name, relay in relays.items() if not services[name].stopped}
+        _wait_ready(observer, present, deadline + HEAL_TIMEOUT_S)
         observer.halt()
         observer.record()  # the end state, every fault healed
     finally:
@@ -101,9 +111,11 @@ def chaos(form: Form, folder: Path, replicas: list[Service], model: Path) -> tup
             each.stop()
         for relay in relays.values():
             relay.close()
+        for disk in disks.values():
+            disk.unmount()
     manifest = {"seed": form.seed, "schedule": nemesis.applied, "runs": {
         run: {"max_steps": form.max_steps, "max_staleness": form.max_staleness,
-              "exit_code": trainer.exits[-1] if trainer.exits else None,
+              "exit_code": trainer.exits[-1] if trainer.exits else None, "exits": trainer.exits,
               "log": str(trainer.service.log_path.relative_to(folder)), "rows": TINY_PROMPTS}
         for run, trainer in trainers.items()}}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -121,9 +133,16 @@ def _progress(root: Path, runs: tuple[str, ...]) -> Callable[[], int]:
 
 
 def _launch(supervisor: Supervisor, trainer: Service) -> Supervised:
-    each = Supervised(trainer.start(), ON_FAILURE)
+    each = Supervised(trainer.start(), ON_FAILURE, short=lambda: _stopped_for_low_disk(trainer))
     supervisor.services.append(each)
     return each
+
+
+def _stopped_for_low_disk(trainer: Service) -> bool:
+    """Its last start stopped for low disk (its last stop or finish line says so): short of its steps."""
+    text = trainer.log_path.read_text(errors="replace")
+    last = max(text.rfind("event=stopped"), text.rfind("event=finished"))
+    return last >= 0 and text.startswith("event=stopped reason=low_disk", last)
 
 
 def _wait_logged(service: Service, line: str, deadline: float) -> None:
@@ -139,12 +158,15 @@ def _run_key(root: Path, run: str) -> Path:
     return key
 
 
-def _trainer(form: Form, run: str, root: Path, proxy_url: str, model: Path, logs: Path, key: Path) -> Service:
+def _trainer(form: Form, run: str, root: Path, proxy_url: str, model: Path, logs: Path, key: Path,
+             small_disk: bool) -> Service:
     env = {"TRAINER_TASK": "tiny", "BASE_MODEL": str(model), "ADAPTER_ROOT": str(root), "RUN_NAME": run,
            "TRAINER_VLLM_URL": f"{proxy_url}/runs/{run}", "TRAINER_RUN_KEY_FILE": str(key),
            "MAX_STEPS": str(form.max_steps), "SAVE_STEPS": str(form.save_steps),
            "MAX_STALENESS": str(form.max_staleness), "TRAINER_FLEET_WAIT_S": "600", "MAX_MODEL_LEN": "512",
            "HF_HUB_OFFLINE": "1", "LOG_LEVEL": "INFO"}
+    if small_disk:  # its run folder is a tmpfs of disk.SIZE_MB: the threshold the nemesis fills to
+        env["TRAINER_MIN_FREE_GB"] = f"{disk.THRESHOLD_MB / 1024:g}"
     return trainer_service(f"trainer-{run}", env, logs)
 
 

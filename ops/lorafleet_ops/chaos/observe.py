@@ -1,10 +1,11 @@
 """Samples the fleet while the nemesis works, for the checker's fleet invariants (observed.jsonl).
 
-Each sample: the ledger as its file holds it (name -> fingerprint; readable while the proxy is down) and, for every
-replica the proxy calls ready, the chaos runs' adapters it serves as it lists them itself (/v1/models, asked
-directly, not through the relay; a shared test replica may hold others' too); a replica not ready, or not
-answering, is null. The last sample is taken after every fault has
-healed and every replica is ready again.
+Each sample: the ledger as its file holds it (name -> fingerprint; readable while the proxy is down), and under
+`held` the chaos runs' adapters each replica serves as it lists them itself (/v1/models, asked directly, not through
+the relay, ready or not; a shared test replica may hold others' too; null when it does not answer); `replicas` is the
+same for the replicas the proxy calls ready, null for the others. Replicas are keyed by the URL the proxy knows them
+by (their relay), the one the provenance headers name. The last sample is taken after every fault has healed and
+every replica in the fleet is ready again.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ SAMPLE_S = 1.0
 class Observer:
     def __init__(self, root: Path, proxy_url: str, replicas: dict[str, str], runs: tuple[str, ...],
                  out: Path) -> None:
-        """`replicas` maps the URL the proxy knows a replica by (its relay) to the replica's own URL."""
+        """`replicas` maps the URL the proxy knows a replica by (its relay) to the replica's own URL: every slot,
+        scaled down or not (one scaled down does not answer)."""
         self.root, self.proxy_url, self.replicas, self.runs, self.out = root, proxy_url, replicas, runs, out
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="chaos-observer", daemon=True)
@@ -53,9 +55,10 @@ class Observer:
             state = read(ledger_path(self.root), self.root)
             ledger = {name: entry.fingerprint for name, entry in (state.adapters.items() if state else ())}
         ready = self.ready()
+        held = {relay: self._served(own) for relay, own in self.replicas.items()}
         return {"time": round(time.time(), 3), "ledger": ledger,
-                "replicas": {own: self._served(own) if relay in ready else None
-                             for relay, own in self.replicas.items()}}
+                "replicas": {relay: names if relay in ready else None for relay, names in held.items()},
+                "held": held}
 
     def record(self) -> dict[str, Any]:
         sample = self.sample()

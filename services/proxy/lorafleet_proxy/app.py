@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from . import broadcast
 from .admin import AdminPlane
 from .auth import BearerAuth
+from .content_store import ContentStore
 from .elision import PauseElision
 from .errors import validation_error
 from .fleet import Fleet
@@ -80,7 +81,8 @@ def create_app(settings: ProxySettings, *, transport: httpx.AsyncBaseTransport |
     metrics = Metrics()
     router = Router(settings.proxy_routing, settings.proxy_imbalance, settings.proxy_max_tracked_blocks,
                     settings.proxy_block_size or DEFAULT_BLOCK_SIZE, settings.proxy_route_max_blocks)
-    ledger = Ledger(ledger_path(settings.adapter_root), settings.adapter_root)
+    content = ContentStore(settings.content_store, settings.adapter_root, settings.proxy_content_grace_s)
+    ledger = Ledger(ledger_path(settings.adapter_root), settings.adapter_root, content)
     ledger.restore()
     fleet = Fleet(settings, router, ledger, transport, metrics)
     upstreams = Upstreams(settings.proxy_request_timeout_s, settings.proxy_upstream_token)

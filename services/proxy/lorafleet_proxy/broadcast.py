@@ -17,14 +17,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from lorafleet.adapters import AdapterNameError, AdapterPathError, check_adapter_name, confine
-from lorafleet.ledger_format import Entry, LedgerState, fingerprint
+from lorafleet.adapters import AdapterNameError, AdapterPathError, check_adapter_name, confine, fleet_dir
+from lorafleet.ledger_format import Entry, LedgerState
+from lorafleet.logs import log_event
 from lorafleet.runs import DEFAULT_RUN
 from lorafleet.vllm_api import VLLMError, VLLMUnreachable
 
+from .content_store import ContentError, NoAdapter, Stored
 from .errors import adapter_not_found, error, ledger_failed, no_ready_replica, rebuilding, relay
 from .fleet import Fleet, Replica, State
-from .sync import load_until
+from .sync import load_until, retry_until
 
 log = logging.getLogger("lorafleet.proxy.broadcast")
 
@@ -97,6 +99,11 @@ def _check_load_request(fleet: Fleet, body: dict[str, Any]) -> tuple[str, str] |
         resolved = confine(str(path), fleet.adapter_root)
     except (AdapterNameError, AdapterPathError) as exc:
         return error(400, str(exc), "InvalidUserInput")
+    fleet_files = fleet_dir(fleet.adapter_root).resolve()
+    if fleet.content.holds(resolved) or resolved == fleet_files or fleet_files in resolved.parents:
+        return error(400, f"lora_path {path!r} lies in the proxy's own folders (the content store "
+                     f"{fleet.content.root} or {fleet_files}): only the proxy names those; load the adapter from the "
+                     "folder it was published to", "InvalidUserInput", "lora_path")
     return name, str(resolved)
 
 
@@ -111,14 +118,30 @@ async def load_adapter(fleet: Fleet, body: dict[str, Any], run: str = DEFAULT_RU
     if isinstance(checked, JSONResponse):
         return checked
     name, path = checked
-    entry = Entry(path, await asyncio.to_thread(fingerprint, path), run)
-    return await _load(fleet, name, entry, admit)
+    stored = await _store(fleet, path)
+    if isinstance(stored, JSONResponse):
+        return stored
+    with fleet.content.pinned(stored):
+        return await _load(fleet, name, Entry(stored.path, stored.fingerprint, run, path), admit)
+
+
+async def _store(fleet: Fleet, path: str) -> Stored | JSONResponse:
+    """Copy the checked adapter folder `path` into the content store (in a thread: the event loop goes on), retrying
+    while it has no adapter_config.json (the volume catching up) until the load's deadline; then a 400."""
+    try:
+        return await retry_until(lambda: asyncio.to_thread(fleet.content.ingest, path),
+                                 lambda exc: isinstance(exc, NoAdapter), time.monotonic() + fleet.load_timeout_s)
+    except NoAdapter as exc:  # the client named no adapter; never 404 to TRL (it reads 404 as "runtime LoRA disabled")
+        return error(400, f"{exc} (still missing after {fleet.load_timeout_s:.0f}s)", "InvalidUserInput", "lora_path")
+    except ContentError as exc:
+        log_event(log, "load_refused", logging.WARNING, path=path, error=exc)
+        return error(400, str(exc), "InvalidUserInput", "lora_path")
 
 
 @guarded()
 async def _load(fleet: Fleet, targets: list[Replica], name: str, entry: Entry,
                 admit: Callable[[LedgerState], JSONResponse | None] | None) -> Response:
-    path, run = entry.path, entry.run
+    path = entry.path
     planned = fleet.snapshot()  # the load's admission may register its run here
     if admit is not None and (refusal := admit(planned)) is not None:
         return refusal
@@ -139,16 +162,12 @@ async def _load(fleet: Fleet, targets: list[Replica], name: str, entry: Entry,
         refusal = await _canary_gate(fleet, name, entry, [r for r in targets if r.state is State.READY], deadline)
         if refusal is not None:
             return refusal
-    if not entry.fingerprint:  # the volume may have caught up while the replicas retried
-        entry = Entry(path, await asyncio.to_thread(fingerprint, path), run)
-    if not entry.fingerprint and known is not None and known.path == path:
-        entry = known  # unreadable here now: keep what the ledger knew
     if (exc := fleet.record_load(name, entry, planned.runs)) is not None:
         await _unload_from(fleet, name, loaded, "rollback after a failed ledger write")
         return ledger_failed(exc, f"the load of {name!r} was rolled back on {len(loaded)} replica(s)")
     fleet.mark_loaded(name, entry)
-    log.info("load ok name=%s path=%s fingerprint=%s replicas=%d (already there: %d)", name, path,
-             entry.fingerprint or "-", len(targets), len(targets) - len(todo))
+    log.info("load ok name=%s path=%s source=%s fingerprint=%s replicas=%d (already there: %d)", name, path,
+             entry.source, entry.fingerprint, len(targets), len(targets) - len(todo))
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -180,9 +199,8 @@ async def _reload(replica: Replica, name: str, path: str, deadline: float) -> st
 
 
 def _same(known: Entry, entry: Entry) -> bool:
-    """Same adapter: same path, and the same content where both fingerprints are known."""
-    return known.path == entry.path and not (
-        known.fingerprint and entry.fingerprint and known.fingerprint != entry.fingerprint)
+    """Same adapter: the same store folder, so the same content (a store folder is named by its content)."""
+    return known.path == entry.path
 
 
 async def _load_one(replica: Replica, name: str, path: str, deadline: float) -> str:

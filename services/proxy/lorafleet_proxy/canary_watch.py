@@ -85,7 +85,7 @@ class CanaryWatch:
     async def verify(self, replica: Replica) -> None:
         """The end of a catch-up: the replica answers every subject with an agreed answer as agreed, or stays out
         (raises CanaryDisagreement). Subjects without a reference yet are judged at the next round."""
-        subjects = [BASE_SUBJECT, *replica.servable(self.ledger.entries())]  # not what it withholds (sync.py)
+        subjects = [BASE_SUBJECT, *self.ledger.entries()]
         judged = [subject for subject in subjects if self.subject_key(subject, replica) in self.canary.references]
         # All at once: one engine batch, so a catch-up is not outrun by the versions a trainer publishes meanwhile.
         answers = await asyncio.gather(*(self.canary.probe(replica.client, self.probe_model(subject, replica),

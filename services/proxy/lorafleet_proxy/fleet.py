@@ -53,6 +53,7 @@ class Fleet:
         self.settings = settings
         self.router = router
         self.ledger = ledger
+        self.content = ledger.content  # the folders the ledger's entries name: what replicas load
         self.metrics = metrics or Metrics()
         self.transport = transport  # None = the network; tests pass an in-process transport
         self.replicas: dict[str, Replica] = {}
@@ -156,7 +157,6 @@ class Fleet:
         for replica in self.ready():
             replica.adapters[name] = entry.path
             replica.held[name] = entry
-            replica.withheld.pop(name, None)
 
     def mark_unloaded(self, name: str, replicas: list[Replica]) -> None:
         """`name` is gone from these replicas: dropped from the router and from their views; once it is out of the
@@ -166,7 +166,6 @@ class Fleet:
             replica.adapters.pop(name, None)
             replica.held.pop(name, None)
             replica.served.pop(name, None)
-            replica.withheld.pop(name, None)
         if self.ledger.get(name) is None:
             self._canary.forget(name)
             self.metrics.forget_answers(adapter=name)
@@ -224,6 +223,7 @@ class Fleet:
         self._tasks.append(asyncio.create_task(
             self._supervised("health", self.health_round, self.settings.proxy_health_interval_s),
             name="proxy-health"))
+        self.supervise("content", self.collect_content, min(max(self.settings.proxy_content_grace_s / 2, 1.0), 60.0))
 
     def supervise(self, loop: str, body: Callable[[], Awaitable[None]], interval_s: float) -> None:
         """One more supervised loop for the life of the proxy (runs' leases); counted by `loops_alive`."""
@@ -270,12 +270,6 @@ class Fleet:
         replica.state = State.READY
         replica.last_error = None
         replica.sync_failures = 0
-
-    def withhold(self, replica: Replica, name: str, entry: Entry, why: str) -> None:
-        """A catch-up left `entry` unloaded on `replica` (`why`: its files changed after it was published): routing
-        skips the replica for `name` until the entry changes or a later catch-up finds the files restored."""
-        replica.withheld[name] = (entry, why)
-        self.metrics.adapter_content_changed.inc()
 
     def eject(self, replica: Replica, error: str) -> None:
         """Out of traffic and broadcasts now; when it answers health checks again it re-syncs to the ledger."""
@@ -338,6 +332,11 @@ class Fleet:
         await self._health.round()
         await self._close_retired()
         self.heartbeat = time.monotonic()
+
+    async def collect_content(self) -> None:
+        """Delete the content-store folders no ledger entry names, once idle past the grace period (content_store)."""
+        referenced = [entry.path for entry in self.ledger.entries().values()]
+        await asyncio.to_thread(self.content.collect, referenced)
 
     async def check(self, replica: Replica) -> bool:
         return await self._health.check(replica)

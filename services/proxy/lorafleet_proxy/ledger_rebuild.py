@@ -1,7 +1,8 @@
 """An unreadable ledger file is rebuilt from what the answering replicas hold, instead of unloading the fleet.
 
 The ledger stays `rebuilding` (no broadcast, no sync) from the moment its file is found unusable until a health
-round where replicas answer: the adapters they agree on, and the pause state they share, become the ledger.
+round where replicas answer: the adapters they agree on (each a content-store folder that still hashes to its name),
+and the pause state they share, become the ledger.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
-from lorafleet.ledger_format import Entry, LedgerState, fingerprint
+from lorafleet.ledger_format import FINGERPRINT_PREFIX, Entry, LedgerState
 from lorafleet.runs import run_of
 
 from .ledger import Ledger, LedgerWriteError
@@ -34,7 +36,11 @@ async def rebuild_ledger(ledger: Ledger, metrics: Metrics, answering: list[Repli
         return
     state = LedgerState(paused="keep" if all(paused for _, paused in views) else None)
     for name, path in agreed([listed for listed, _ in views]).items():
-        state.adapters[name] = Entry(path, await asyncio.to_thread(fingerprint, path), run_of(name)[0])
+        why = await asyncio.to_thread(ledger.content.verify, path)
+        if why:  # the replicas' lists are no evidence of content: only a store folder that hashes to its name is
+            log.error("ledger rebuild: leaving out %s (%s): %s", name, path, why)
+            continue
+        state.adapters[name] = Entry(path, FINGERPRINT_PREFIX + Path(path).name, run_of(name)[0])
     try:
         ledger.commit(state)
     except LedgerWriteError as exc:

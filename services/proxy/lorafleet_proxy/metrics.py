@@ -114,10 +114,6 @@ class Metrics:
         self.canary_rebaselines = Counter("lorafleet_proxy_canary_rebaselines", "Canary references renewed: a lone "
                                           "replica, re-loaded from the published files, still departed from an answer "
                                           "no replica gives any more.", registry=r)
-        self.adapter_content_changed = Counter(
-            "lorafleet_proxy_adapter_content_changed", "Adapters a syncing replica did not load because their files "
-            "no longer match the fingerprint recorded when the fleet loaded them (published weights changed on disk: "
-            "alert on any increase).", registry=r)
         self.breaker_trips = Counter("lorafleet_proxy_breaker_trips", "Replicas taken out of routing by the circuit "
                                      "breaker (generations failing).", registry=r)
         self._paused_at: float | None = None

@@ -68,9 +68,6 @@ class Replica:
     suspect: set[str] = field(default_factory=set)  # subjects the canary doubted: reloaded (cache reset) at catch-up
     canary_failure: str | None = None  # why the canary took it out of routing, until it agrees again
     served: dict[str, int] = field(default_factory=dict)  # generation answers per adapter (provenance)
-    # Ledger entries its last catch-up did not load, with why: their files changed on disk after they were published
-    # (sync.py). Out of its routing view until the ledger entry changes or a later catch-up finds the files restored.
-    withheld: dict[str, tuple[Entry, str]] = field(default_factory=dict)
     outcomes: deque[bool] = field(default_factory=deque, repr=False)  # the breaker's window: True = failed
     failing: int = 0  # routed generations failed in a row
 
@@ -91,11 +88,6 @@ class Replica:
             return False
         return not (known.fingerprint and entry.fingerprint and known.fingerprint != entry.fingerprint)
 
-    def servable(self, wanted: dict[str, Entry]) -> dict[str, Entry]:
-        """The ledger's entries `wanted` less those this replica withholds (same entry: a rebind clears it)."""
-        return {name: entry for name, entry in wanted.items()
-                if name not in self.withheld or self.withheld[name][0] != entry}
-
     def as_json(self) -> dict[str, object]:
         """Its state, and its own view as last read (`server_info`: its /server_info JSON without the long
         `system_env`, None until read): the doctor sees a replica it cannot reach (internal network) so."""
@@ -103,6 +95,5 @@ class Replica:
         return {"url": self.url, "state": self.state.value, "inflight": self.inflight, "routed": self.routed,
                 "adapters": dict(self.adapters), "last_error": self.last_error, "generates": self.generates,
                 "canary": {"agrees": self.canary_failure is None, "failure": self.canary_failure},
-                "served": dict(self.served), "withheld": {name: why for name, (_, why) in self.withheld.items()},
-                "server_info": info,
+                "served": dict(self.served), "server_info": info,
                 "vllm_version": self.vllm.version if self.vllm is not None else None}

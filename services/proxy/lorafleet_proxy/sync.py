@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
 
-from lorafleet.ledger_format import Entry, fingerprint
+from lorafleet.ledger_format import Entry
 from lorafleet.vllm_api import VLLMClient, VLLMError
 
 from .replica import Replica
@@ -35,8 +36,6 @@ class SyncFleet(Protocol):
 
     def wanted(self) -> dict[str, Entry]: ...
 
-    def withhold(self, replica: Replica, name: str, entry: Entry, why: str) -> None: ...
-
     async def verify(self, replica: Replica) -> None: ...
 
     def mark_ready(self, replica: Replica, adapters: dict[str, str]) -> None: ...
@@ -44,32 +43,41 @@ class SyncFleet(Protocol):
 
 log = logging.getLogger("lorafleet.proxy.sync")
 
+T = TypeVar("T")
 LOAD_RETRY_FIRST_S = 0.05
 LOAD_RETRY_MAX_S = 1.0
 
 
+async def retry_until(call: Callable[[], Awaitable[T]], missing: Callable[[Exception], bool], deadline: float) -> T:
+    """`call()`, retried with backoff while it fails with an error `missing` says is an adapter not there yet (a
+    volume not caught up), until `deadline`; the last error then raises."""
+    delay = LOAD_RETRY_FIRST_S
+    while True:
+        try:
+            return await call()
+        except Exception as exc:
+            if not missing(exc) or time.monotonic() + delay >= deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, LOAD_RETRY_MAX_S)
+
+
 async def load_until(client: VLLMClient, name: str, path: str, deadline: float) -> str:
     """Load one adapter, retrying "No adapter found" (a volume not caught up yet) with backoff until `deadline`."""
-    delay = LOAD_RETRY_FIRST_S
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            answer = await client.load_lora_adapter(name, path, timeout=max(deadline - time.monotonic(), 1.0))
-        except VLLMError as exc:
-            if not exc.adapter_not_found or time.monotonic() + delay >= deadline:
-                raise
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, LOAD_RETRY_MAX_S)
-            continue
-        log.info("load name=%s replica=%s attempts=%d", name, client.base_url, attempt)
-        return answer
+    attempts = 0
+
+    async def load() -> str:
+        nonlocal attempts
+        attempts += 1
+        return await client.load_lora_adapter(name, path, timeout=max(deadline - time.monotonic(), 1.0))
+
+    answer = await retry_until(load, lambda exc: isinstance(exc, VLLMError) and exc.adapter_not_found, deadline)
+    log.info("load name=%s replica=%s attempts=%d", name, client.base_url, attempts)
+    return answer
 
 
 def differences(replica: Replica, listed: dict[str, str], wanted: dict[str, Entry]) -> tuple[list[str], list[str]]:
-    """(names to unload, names to load) so that `replica`, which lists `listed`, holds exactly `wanted` (less what it
-    withholds)."""
-    wanted = replica.servable(wanted)
+    """(names to unload, names to load) so that `replica`, which lists `listed`, holds exactly `wanted`."""
     for name, path in listed.items():  # held at the ledger's path by a previous proxy: the ledger is the record
         if name not in replica.held and name in wanted and wanted[name].path == path:
             replica.held[name] = wanted[name]
@@ -96,7 +104,6 @@ async def catch_up(fleet: SyncFleet, replica: Replica, deadline: float) -> None:
     if "" in replica.suspect:  # the canary doubted its base model: no cache block computed before survives
         await replica.client.reset_prefix_cache()
         replica.suspect.discard("")
-    replica.withheld.clear()  # every catch-up checks the files again: restored ones are loaded
     while True:
         listed = await replica.client.loaded_adapters()
         replica.observe(listed)
@@ -122,22 +129,9 @@ async def catch_up(fleet: SyncFleet, replica: Replica, deadline: float) -> None:
                 continue
             if replica.sync_task is not asyncio.current_task():
                 return  # superseded (ejected, removed or re-synced meanwhile)
-            fleet.mark_ready(replica, {name: entry.path for name, entry in replica.servable(wanted).items()})
-            log.info("replica ready url=%s adapters=%s paused=%s withheld=%s", replica.url, list(replica.adapters),
-                     paused, list(replica.withheld))
+            fleet.mark_ready(replica, {name: entry.path for name, entry in wanted.items()})
+            log.info("replica ready url=%s adapters=%s paused=%s", replica.url, list(replica.adapters), paused)
             return
-
-
-async def changed_since_published(entry: Entry) -> str | None:
-    """Why the files at `entry.path` are not the content the fleet loaded under this name (None: they are, or one of
-    the two fingerprints is unknown: the proxy could not read the files then or now)."""
-    if not entry.fingerprint:
-        return None
-    now = await asyncio.to_thread(fingerprint, entry.path)
-    if not now or now == entry.fingerprint:
-        return None
-    return (f"its files at {entry.path} changed on disk after it was published (fingerprint at load "
-            f"{entry.fingerprint}, now {now})")
 
 
 async def _apply(fleet: SyncFleet, replica: Replica, wanted: dict[str, Entry], stale: list[str], missing: list[str],
@@ -153,13 +147,7 @@ async def _apply(fleet: SyncFleet, replica: Replica, wanted: dict[str, Entry], s
             replica.suspect.discard(name)
     if any(name in wanted for name in stale):
         await replica.client.reset_prefix_cache()  # a name rebound to new weights, or doubted: no stale blocks
-    for name in missing:
-        why = await changed_since_published(wanted[name])
-        if why is not None:  # a name is one content: this replica serves the rest, and routing skips it for this one
-            fleet.withhold(replica, name, wanted[name], why)
-            log.error("replica withholds adapter url=%s name=%s: %s; not loaded there and not routed to it for this "
-                      "name (restore the files, or publish the new weights under a new name)", replica.url, name, why)
-            continue
+    for name in missing:  # from the content store: no file a trainer can change
         await load_until(replica.client, name, wanted[name].path, deadline)
         replica.held[name] = wanted[name]
         replica.suspect.discard(name)

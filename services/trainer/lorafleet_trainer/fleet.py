@@ -19,7 +19,7 @@ from lorafleet.adapters import policy_version
 from lorafleet.logs import log_event
 from lorafleet.runs import DEFAULT_RUN, url_run
 from lorafleet.settings import TrainerSettings
-from lorafleet.vllm_api import VLLMClient, VLLMError
+from lorafleet.vllm_api import VLLMClient, VLLMError, VLLMUnreachable
 
 log = logging.getLogger(__name__)
 PREFLIGHT_GROUP = "lorafleet.preflight"
@@ -122,6 +122,8 @@ async def register_run(settings: TrainerSettings, client: VLLMClient) -> None:
         answer = (await client.request("POST", "/register", json_body={"max_staleness": settings.max_staleness,
                                                                   "weight": settings.run_weight})).json()
     except VLLMError as exc:
+        if fleet_gone(exc):
+            raise  # not a refusal: prepare_fleet waits for the fleet and asks again
         raise PreflightError(f"refusing to start: the fleet did not admit run {run!r}: {exc.message}") from None
     log_event(log, "run_registered", run=run, slots=answer.get("slots"), weight=settings.run_weight,
               budget=answer.get("budget", {}).get("capacity"))
@@ -187,15 +189,35 @@ async def fleet_size(settings: TrainerSettings, *, run_key: str, stopping: Calla
         return await probe_fleet(settings, client, stopping)
 
 
+def fleet_gone(exc: VLLMError) -> bool:
+    """No answer, or the proxy's 502/503 (nothing done): the proxy went away or is coming back, not a refusal."""
+    return isinstance(exc, VLLMUnreachable) or exc.status in (502, 503)
+
+
 async def prepare_fleet(settings: TrainerSettings, lora_config: Any, *, run_key: str,
                         stopping: Callable[[], bool] = never) -> list[str]:
     """register_run (shared fleets), preflight, sweep_policies, then the doctor's whole checklist, against
     TRAINER_VLLM_URL. (The doctor reads TRAINER_RUN_KEY_FILE itself.) Returns the swept names: this run's next
-    version must pass them (resume.py)."""
-    async with fleet_client(settings, run_key) as client:
-        await wait_healthy(client, settings.trainer_server_timeout_s, stopping)
-        await register_run(settings, client)
-        await preflight(settings, lora_config, client)
-        swept = await sweep_policies(client)
+    version must pass them (resume.py).
+
+    A proxy killed or restarted between these calls is waited for, up to TRAINER_FLEET_WAIT_S, and the calls are made
+    again from the health wait (each is idempotent): a start met by a proxy restart no longer refuses (the chaos run
+    found it)."""
+    deadline = time.monotonic() + settings.trainer_fleet_wait_s
+    while True:
+        try:
+            async with fleet_client(settings, run_key) as client:
+                await wait_healthy(client, settings.trainer_server_timeout_s, stopping)
+                await register_run(settings, client)
+                await preflight(settings, lora_config, client)
+                swept = await sweep_policies(client)
+            break
+        except VLLMError as exc:
+            if not fleet_gone(exc) or time.monotonic() > deadline:
+                raise
+            cause = "ConnectionError" if isinstance(exc, VLLMUnreachable) else f"HTTP {exc.status}"
+            log_event(log, "control_call_waiting", logging.WARNING, call="start-up checks", cause=f"{cause}: {exc}",
+                      reason="waiting for the fleet, up to TRAINER_FLEET_WAIT_S")
+            await asyncio.sleep(2.0)
     await doctor_preflight(settings, lora_config)
     return swept

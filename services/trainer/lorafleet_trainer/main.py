@@ -105,6 +105,7 @@ def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_r
     from lorafleet_trainer.fleet_rollouts import check_rollout_hooks, wire_rollouts
     from lorafleet_trainer.lifecycle import Limits, RunLifecycle, shield_rollout_worker
     from lorafleet_trainer.provenance import record_rollouts
+    from lorafleet_trainer.published_files import readable_before_load
     from lorafleet_trainer.ratio_by_replica import ReplicaRatios
     from lorafleet_trainer.ratio_report import RatioReporter
     from lorafleet_trainer.resilience import retry_control_calls
@@ -185,6 +186,7 @@ def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_r
     install_kernels(settings, attention.backend, cuda=cuda)
     # A proxy restart mid-sync must not kill the run; TRL's calls send the key.
     retry_control_calls(run_key=run_key, fleet_wait_s=settings.trainer_fleet_wait_s)
+    readable_before_load()  # the proxy, another user in Compose, copies what it loads
     if checkpoint and main_rank:
         log_event(
             log, "resuming", checkpoint=checkpoint.path, step=checkpoint.step, model_version=checkpoint.model_version

@@ -5,10 +5,11 @@ restarting (a new image, a crash, `docker compose up` after a config change) ref
 connection for a second or two, and that one refusal kills the run in the middle of a sync.
 Rollouts wait for the fleet in fleet_rollouts.py. Here the control calls get the same treatment for the
 failures a proxy gone or coming back gives: a refused connection (it never reached the proxy), the proxy's 503
-(it did nothing: no ready replica yet), and a connection lost before any answer (the proxy died with the call in
-flight). Replaying each is safe because every control call TRL makes is idempotent at the proxy: a load of a name
-at the path the ledger already has is a success without a change, pause and resume set a state, and TRL ignores
-the status of an unload. All are waited out up to TRAINER_FLEET_WAIT_S, each retry logged
+(it did nothing: no ready replica yet), its 502 (a replica failed the broadcast, e.g. died mid-load, and the change
+was rolled back on every replica: nothing done either), and a connection lost before any answer (the proxy died with
+the call in flight). Replaying each is safe because every control call TRL makes is idempotent at the proxy: a load
+of a name at the path the ledger already has is a success without a change, pause and resume set a state, and TRL
+ignores the status of an unload. All are waited out up to TRAINER_FLEET_WAIT_S, each retry logged
 (`event=control_call_waiting`): urllib3's own retry warnings go to the NullHandler it installs, so a trainer whose
 sync met a stopped proxy waited a minute without a line. Other statuses are not retried; TRL's own handling of those
 stays as it is.
@@ -36,8 +37,10 @@ CONNECT_RETRIES = 10
 BACKOFF_S = 0.5
 RETRY_MAX_S = 5.0
 # The proxy's 503 means nothing was done (no ready replica yet, its ledger being rebuilt): a restarted proxy
-# answers it for a moment before its replicas are ready again, so it is waited out like a refused connection.
-RETRY_STATUSES = (503,)
+# answers it for a moment before its replicas are ready again, so it is waited out like a refused connection. Its 502
+# is a broadcast a replica failed (the only ready one killed mid-load: the chaos run's trainers died of it), rolled
+# back all-or-nothing, so nothing was done either; the next replica to be ready takes the replay.
+RETRY_STATUSES = (502, 503)
 
 
 def retries_for(wait_s: float) -> int:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from lorafleet.adapters import content_dir
 from lorafleet.settings.common import CommonSettings, ReplicaKey, check_urls, csv_items
 
 
@@ -47,6 +49,15 @@ class ProxySettings(CommonSettings, ReplicaKey):
     )
     proxy_lora_load_timeout_s: float = Field(
         300.0, gt=0, description="Deadline for a fleet-wide adapter load (retries 'No adapter found')."
+    )
+    proxy_content_store: Path | None = Field(
+        None, description="The content store: the folder only the proxy writes, where it copies every adapter it "
+        "loads (one folder per content, named by its sha256) and from which the replicas load it, read-only. "
+        "Unset: ADAPTER_ROOT/.content.",
+    )
+    proxy_content_grace_s: float = Field(
+        120.0, ge=0, description="A content-store folder no ledger entry names any more is deleted once it was "
+        "idle this long (a load in flight that reads it keeps it).",
     )
     proxy_min_ready: int = Field(1, ge=1, description="Ready replicas needed for the proxy's /health to be 200.")
     proxy_health_interval_s: float = Field(2.0, gt=0, description="Seconds between health checks of each replica.")
@@ -134,6 +145,18 @@ class ProxySettings(CommonSettings, ReplicaKey):
         if self.proxy_api_key and self.proxy_port == self.proxy_public_port:
             raise ValueError("PROXY_PORT and PROXY_PUBLIC_PORT must differ")
         return self
+
+    @field_validator("proxy_content_store")
+    @classmethod
+    def _store_is_absolute(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError("must be an absolute path (replicas load its folders at the same path)")
+        return value
+
+    @property
+    def content_store(self) -> Path:
+        """PROXY_CONTENT_STORE, or its default ADAPTER_ROOT/.content."""
+        return self.proxy_content_store or content_dir(self.adapter_root)
 
     @property
     def upstream_urls(self) -> list[str]:

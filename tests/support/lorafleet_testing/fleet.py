@@ -19,7 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lorafleet.adapters import adapter_dir
+from lorafleet.adapters import adapter_dir, content_dir
+from lorafleet.ledger_format import FINGERPRINT_PREFIX, fingerprint
 from lorafleet.vllm_api import VLLMClient
 from lorafleet_ops.placement import Placement
 from lorafleet_ops.processes import (
@@ -228,11 +229,13 @@ def fleet(shared_replicas: list[Service], start_proxy: Callable[..., Service],
     proxy.stop()
 
 
-async def reload_with_other_files(replica_url: str, name: str, path: Path, other: Path) -> None:
-    """Behind the proxy's back: the replica at `replica_url` reloads `name` from `path` while `path` holds `other`'s
-    files, then the right files are put back. The ledger cannot see it (same name, same path): only the canary can."""
-    aside = path.with_name(path.name + ".aside")
+async def reload_with_other_files(replica_url: str, name: str, other: Path) -> None:
+    """Behind the proxy's back: the replica at `replica_url` reloads `name` from the folder it holds it at (the proxy's
+    content-store folder) while that folder holds `other`'s files, then the right files are put back. The ledger cannot
+    see it (same name, same path): only the canary can."""
     async with VLLMClient(replica_url) as direct:
+        path = Path((await direct.loaded_adapters())[name])
+        aside = path.with_name(path.name + ".aside")
         await direct.unload_lora_adapter(name)
         path.rename(aside)
         other.rename(path)
@@ -242,3 +245,9 @@ async def reload_with_other_files(replica_url: str, name: str, path: Path, other
             path.rename(other)
             aside.rename(path)
         assert (await direct.loaded_adapters())[name] == str(path), "the swap must be invisible to the ledger"
+
+
+def stored_at(root: Path, source: Path) -> str:
+    """The folder of the proxy's content store (its default, under ADAPTER_ROOT `root`) that holds the adapter published
+    at `source`: what the replicas load and list."""
+    return str(content_dir(root) / fingerprint(source).removeprefix(FINGERPRINT_PREFIX))

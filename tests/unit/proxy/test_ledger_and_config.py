@@ -11,6 +11,7 @@ import pytest
 from lorafleet.ledger_format import Entry, fingerprint, read
 from lorafleet_proxy import main as proxy_main
 from lorafleet_proxy.ledger import Ledger, LedgerWriteError, ledger_path
+from test_membership import publish, stored
 
 
 def _put(ledger: Ledger, name: str, path: str) -> None:
@@ -20,19 +21,25 @@ def _put(ledger: Ledger, name: str, path: str) -> None:
     ledger.commit(state)
 
 
+def _migrated(root: Path, source: Path, run: str = "default") -> Entry:
+    """What restoring an older ledger makes of an entry at `source`: its files copied into the content store."""
+    digest = fingerprint(source)
+    return Entry(str(root / ".content" / digest.removeprefix("sha256:")), digest, run, str(source))
+
+
 def test_ledger_round_trip_keeps_load_order_fingerprints_and_pause(tmp_path: Path) -> None:
     ledger = Ledger(ledger_path(tmp_path), tmp_path)
-    _put(ledger, "trl-policy-v2", str(tmp_path / "b"))
-    _put(ledger, "trl-policy-v1", str(tmp_path / "a"))
+    a, b, c = (stored(tmp_path, name, name.encode()) for name in ("a-v1", "b-v1", "c-v1"))
     state = ledger.state()
+    for name, one in (("trl-policy-v2", b), ("trl-policy-v1", a), ("trl-policy-v3", c)):
+        state.adapters[name] = Entry(one.path, one.fingerprint, source=str(tmp_path / "runs" / name))
     del state.adapters["trl-policy-v2"]
-    state.adapters["trl-policy-v3"] = Entry(str(tmp_path / "c"), "sha256:00")
     state.paused = "keep"
     ledger.commit(state)
     payload = json.loads((tmp_path / ".fleet" / "proxy-ledger.json").read_text())
-    assert payload == {"version": 2, "paused": "keep", "adapters": [
-        {"name": "trl-policy-v1", "path": str(tmp_path / "a"), "fingerprint": ""},
-        {"name": "trl-policy-v3", "path": str(tmp_path / "c"), "fingerprint": "sha256:00"}]}
+    assert payload == {"version": 4, "paused": "keep", "runs": {}, "adapters": [
+        {"name": name, "run": "default", "path": one.path, "fingerprint": one.fingerprint,
+         "source": str(tmp_path / "runs" / name)} for name, one in (("trl-policy-v1", a), ("trl-policy-v3", c))]}
     assert [p.name for p in (tmp_path / ".fleet").iterdir()] == ["proxy-ledger.json"], "temporary file left behind"
     restored = Ledger(ledger_path(tmp_path), tmp_path)
     restored.restore()
@@ -40,16 +47,17 @@ def test_ledger_round_trip_keeps_load_order_fingerprints_and_pause(tmp_path: Pat
 
 
 def test_restore_drops_entries_outside_the_root_or_badly_named(tmp_path: Path) -> None:
+    ok = publish(tmp_path / "ok", b"weights")
     path = ledger_path(tmp_path)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"version": 1, "adapters": [
-        {"name": "ok-v1", "path": str(tmp_path / "ok")},
+        {"name": "ok-v1", "path": str(ok)},
         {"name": "escape-v1", "path": "/etc"},
         {"name": "../bad", "path": str(tmp_path / "bad")},
     ]}))
     ledger = Ledger(path, tmp_path)
     ledger.restore()
-    assert ledger.entries() == {"ok-v1": Entry(str(tmp_path / "ok"))}
+    assert ledger.entries() == {"ok-v1": _migrated(tmp_path, ok)}
     assert ledger.paused is None and not ledger.rebuilding
 
 
@@ -57,24 +65,37 @@ def test_restore_drops_a_named_runs_entry_outside_its_own_folder(tmp_path: Path)
     """A named run loads only from runs/<run>/: an entry of run b that names run a's folder, the default run's, a
     sibling `bb`, or a symlink in b's folder into a's is dropped, saying why; b's own and the default run's stay."""
     for folder in ("a/.vllm_lora/v1", "b/.vllm_lora/v1", "bb/v1", "run1/v1"):
-        (tmp_path / "runs" / folder).mkdir(parents=True)
+        publish(tmp_path / "runs" / folder, folder.encode())
     (tmp_path / "runs" / "b" / "link").symlink_to(tmp_path / "runs" / "a" / ".vllm_lora" / "v1")
     runs = tmp_path / "runs"
-    kept = {"b--own": Entry(str(runs / "b" / ".vllm_lora" / "v1"), "", "b"),
-            "default-v1": Entry(str(runs / "a" / ".vllm_lora" / "v1"))}
+    kept = {"b--own": (runs / "b" / ".vllm_lora" / "v1", "b"), "default-v1": (runs / "a" / ".vllm_lora" / "v1",
+                                                                               "default")}
     refused = {"b--other-run": runs / "a" / ".vllm_lora" / "v1", "b--default-run": runs / "run1" / "v1",
                "b--sibling": runs / "bb" / "v1", "b--symlink": runs / "b" / "link",
                "b--dotdot": runs / "b" / ".." / "a"}
     path = ledger_path(tmp_path)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"version": 3, "paused": None, "runs": {"b": {"max_staleness": 1}}, "adapters": [
-        *({"name": name, "run": entry.run, "path": entry.path, "fingerprint": ""} for name, entry in kept.items()),
+        *({"name": name, "run": run, "path": str(where), "fingerprint": ""} for name, (where, run) in kept.items()),
         *({"name": name, "run": "b", "path": str(where), "fingerprint": ""} for name, where in refused.items())]}))
     ledger = Ledger(path, tmp_path)
     ledger.restore()
-    assert ledger.entries() == kept and not ledger.rebuilding
-    dropped = read(path, tmp_path).dropped
-    assert len(dropped) == len(refused) and all(f"outside its folder {runs / 'b'}/" in why for why in dropped), dropped
+    assert ledger.entries() == {name: _migrated(tmp_path, where, run) for name, (where, run) in kept.items()}
+    assert not ledger.rebuilding
+    migrated = read(path, tmp_path)  # written back as version 4, without what was dropped
+    assert migrated is not None and migrated.dropped == [] and migrated.adapters == ledger.entries()
+
+
+def test_a_version_3_ledger_names_what_was_dropped(tmp_path: Path) -> None:
+    """Reading a version-3 file (the doctor's view) drops an entry of run b outside b's folder, saying why."""
+    publish(tmp_path / "runs" / "a" / "v1", b"a")
+    path = ledger_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"version": 3, "paused": None, "runs": {"b": {"max_staleness": 1}}, "adapters": [
+        {"name": "b--other-run", "run": "b", "path": str(tmp_path / "runs" / "a" / "v1"), "fingerprint": ""}]}))
+    state = read(path, tmp_path)
+    assert state is not None and state.adapters == {}
+    assert len(state.dropped) == 1 and f"outside its folder {tmp_path / 'runs' / 'b'}/" in state.dropped[0]
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"version": 9, "adapters": []}', '{"version": 2, "adapters": {}}',

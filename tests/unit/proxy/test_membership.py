@@ -10,10 +10,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from lorafleet.adapters import content_dir
 from lorafleet.ledger_format import Entry
 from lorafleet.settings import load_settings
 from lorafleet.vllm_api import error_body
 from lorafleet_proxy import broadcast
+from lorafleet_proxy.content_store import ContentStore, Stored
 from lorafleet_proxy.fleet import Fleet, State
 from lorafleet_proxy.ledger import Ledger, ledger_path
 from lorafleet_proxy.router import Router
@@ -142,6 +144,20 @@ def put(ledger: Ledger, name: str, path: str, digest: str = "") -> None:
     state.adapters.pop(name, None)
     state.adapters[name] = Entry(path, digest)
     ledger.commit(state)
+
+
+def publish(directory: Path, weights: bytes) -> Path:
+    """A trainer's publish: an adapter folder with its config and weights (written over what was there)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text(json.dumps({"r": 1}))
+    (directory / "adapter_model.safetensors").write_bytes(weights)
+    return directory
+
+
+def stored(root: Path, name: str, weights: bytes) -> Stored:
+    """`name` published under run r's folder of `root` with `weights`, and taken into `root`'s content store."""
+    source = publish(root / "runs" / "r" / ".vllm_lora" / name, weights)
+    return ContentStore(content_dir(root), root).ingest(str(source))
 
 
 async def check_and_sync(fleet: Fleet, url: str) -> None:
@@ -284,7 +300,7 @@ async def test_2_an_unreadable_ledger_is_rebuilt_from_the_replicas_and_nothing_i
 ) -> None:
     (tmp_path / ".fleet").mkdir()
     ledger_path(tmp_path).write_text('{"version": 2, "adapt')
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    a, b = stored(tmp_path, "trl-policy-v1", b"a").path, stored(tmp_path, "trl-policy-v2", b"b").path
     engines[R1].adapters = {"trl-policy-v1": a, "trl-policy-v2": b}
     engines[R2].adapters = {"trl-policy-v1": a}
     fleet = make_fleet(engines, tmp_path)
@@ -299,7 +315,7 @@ async def test_2_an_unreadable_ledger_is_rebuilt_from_the_replicas_and_nothing_i
         assert fleet.metrics.ledger_rebuilds._value.get() == 1
         assert [c for e in engines.values() for c in e.calls if c == "/v1/unload_lora_adapter"] == []
         assert engines[R2].adapters == engines[R1].adapters, "the replica missing v2 was given it, nobody lost one"
-        assert json.loads(ledger_path(tmp_path).read_text())["version"] == 2
+        assert json.loads(ledger_path(tmp_path).read_text())["version"] == 4
     finally:
         await fleet.stop()
 
@@ -314,7 +330,8 @@ async def test_2_a_failed_ledger_write_fails_the_load_and_rolls_it_back(
 
     monkeypatch.setattr("lorafleet.ledger_format.write", read_only)
     monkeypatch.setattr("lorafleet_proxy.ledger.write", read_only)
-    response = await broadcast.load_adapter(fleet, {"lora_name": "trl-policy-v1", "lora_path": str(tmp_path / "v1")})
+    adapter = publish(tmp_path / "v1", b"weights")
+    response = await broadcast.load_adapter(fleet, {"lora_name": "trl-policy-v1", "lora_path": str(adapter)})
     assert response.status_code == 500
     assert "Read-only file system" in json.loads(response.body)["error"]["message"]
     assert all(engine.adapters == {} for engine in engines.values()), "loaded although the ledger was not written"

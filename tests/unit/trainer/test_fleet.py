@@ -162,3 +162,55 @@ async def test_a_run_the_budget_refuses_stops_the_trainer_with_the_proxys_reason
     url = "http://proxy:8000/runs/b"
     with pytest.raises(PreflightError, match="did not admit run 'b': run 'b' does not fit the fleet's slot budget"):
         await register_run(load_settings(trainer_vllm_url=url), _client(handler, url))
+
+
+@pytest.mark.parametrize("gone", ["killed", "502", "503"])
+async def test_a_proxy_gone_during_the_start_up_checks_is_waited_for_and_the_checks_run_again(monkeypatch, gone):
+    """The chaos run's finding: a proxy killed while a trainer ran its start-up checks ended that start refused
+    (exit 3). Each check is idempotent, so they are made again once the fleet answers; a refusal stays final."""
+    from lorafleet_trainer import fleet as trainer_fleet
+
+    seen: list[str] = []
+    url = "http://proxy:8000/runs/b"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        if request.url.path == "/runs/b/register" and seen.count("/runs/b/register") == 1:
+            if gone == "killed":
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+            return httpx.Response(int(gone), json=error_body("no ready replica", "Service Unavailable", int(gone)))
+        if request.url.path.endswith("/register"):
+            return httpx.Response(200, json={"run": "b", "slots": 3, "budget": {"capacity": 6}})
+        if request.url.path.endswith("/server_info"):
+            return httpx.Response(200, json={"vllm_config": server_config()})
+        if request.url.path.endswith("/v1/models"):
+            return httpx.Response(200, json={"object": "list", "data": []})
+        return httpx.Response(200)
+
+    async def no_doctor(settings, lora_config):
+        return None
+
+    monkeypatch.setattr(trainer_fleet, "fleet_client", lambda settings, run_key: _client(handler, url))
+    monkeypatch.setattr(trainer_fleet, "doctor_preflight", no_doctor)
+    monkeypatch.setattr(trainer_fleet.asyncio, "sleep", lambda s: _no_wait())
+    swept = await trainer_fleet.prepare_fleet(load_settings(trainer_vllm_url=url, max_staleness=1), lora(),
+                                              run_key="")
+    assert swept == [] and seen.count("/runs/b/register") == 2 and seen[-1] == "/runs/b/v1/models"
+
+    refusals: list[str] = []
+
+    def refusing(request: httpx.Request) -> httpx.Response:
+        refusals.append(request.url.path)
+        if request.url.path.endswith("/register"):
+            body = error_body("does not fit the fleet's slot budget", "SlotBudgetExceeded", 409)
+            return httpx.Response(409, json=body)
+        return httpx.Response(200)
+
+    monkeypatch.setattr(trainer_fleet, "fleet_client", lambda settings, run_key: _client(refusing, url))
+    with pytest.raises(PreflightError, match="slot budget"):
+        await trainer_fleet.prepare_fleet(load_settings(trainer_vllm_url=url), lora(), run_key="")
+    assert refusals.count("/runs/b/register") == 1
+
+
+async def _no_wait() -> None:
+    return None

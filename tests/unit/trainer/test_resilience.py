@@ -55,29 +55,50 @@ def test_pause_waits_for_a_restarting_proxy(monkeypatch):
 class _DiesOnce(_Pause):
     """A proxy killed with the call in flight: the first request's connection closes without an answer."""
 
-    died = False
+    failed = False
 
     def do_POST(self) -> None:
-        if not _DiesOnce.died:
-            _DiesOnce.died = True
+        if not _DiesOnce.failed:
+            _DiesOnce.failed = True
             self.close_connection = True
             return  # no status line: the client reads a connection closed before any answer
         super().do_POST()
 
 
-def test_a_call_whose_connection_is_lost_before_the_answer_is_sent_again(monkeypatch):
+class _RolledBackOnce(_Pause):
+    """A load whose only ready replica died mid-broadcast: the proxy rolled it back and answered 502, once."""
+
+    failed = False
+
+    def do_POST(self) -> None:
+        if not _RolledBackOnce.failed:
+            _RolledBackOnce.failed = True
+            body = b'{"error":{"message":"1/1 replica(s) failed to load","type":"Bad Gateway","code":502}}'
+            self.send_response(502)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        super().do_POST()
+
+
+@pytest.mark.parametrize(("proxy", "call", "path"), [
+    (_DiesOnce, lambda client: client.pause(), "/pause?mode=keep"),
+    (_RolledBackOnce, lambda client: client.load_lora_adapter("trl-policy-v2", "/x"), "/v1/load_lora_adapter"),
+], ids=["connection-lost-before-the-answer", "load-rolled-back-502"])
+def test_a_call_that_did_nothing_is_sent_again(monkeypatch, proxy, call, path):
     from trl.experimental.async_grpo import vllm_client
 
     monkeypatch.setattr(vllm_client, "requests", vllm_client.requests)  # restored after the test
     retry_control_calls(retrying_session(connect_retries=3, backoff_s=0.05))
-    server = http.server.HTTPServer(("127.0.0.1", 0), _DiesOnce)
+    server = http.server.HTTPServer(("127.0.0.1", 0), proxy)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     _Pause.calls.clear()
     try:
-        vllm_client.VLLMClient(f"http://127.0.0.1:{server.server_address[1]}").pause()
+        call(vllm_client.VLLMClient(f"http://127.0.0.1:{server.server_address[1]}"))
     finally:
         server.shutdown()
-    assert _DiesOnce.died and _Pause.calls == ["/pause?mode=keep"]
+    assert proxy.failed and _Pause.calls == [path]
 
 
 def test_without_retries_the_same_refusal_is_fatal():

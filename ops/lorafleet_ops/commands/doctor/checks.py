@@ -286,7 +286,7 @@ def check_versions_kept(snapshot: Snapshot, settings: StackSettings) -> CheckRes
     # On a shared fleet the ledger and the replicas name a run's versions `<run>--trl-policy-vN`: keep the fleet's
     # name of each version for the replicas' lists, the version number from the run's own name.
     named = {policy_version(run_of(n)[1]): (n, norm_path(p)) for n, p in snapshot.ledger
-             if os.path.dirname(norm_path(p)) == run_lora}
+             if os.path.dirname(norm_path(snapshot.ledger_sources.get(n, p))) == run_lora}
     named.pop(None, None)
     if not named:
         return CheckResult(name, Status.SKIP, f"no policy version of run {settings.run_name} published yet "

@@ -81,6 +81,8 @@ async def _read_proxy(snapshot: Snapshot, views: dict[str, ReplicaView], token: 
                                          proxy_canary_failure=(item.get("canary") or {}).get("failure"),
                                          proxy_server_info=item.get("server_info"), proxy_adapters=item.get("adapters"))
             snapshot.ledger = [(str(e["name"]), str(e["path"])) for e in fleet.get("ledger", [])]
+            snapshot.ledger_sources = {str(e["name"]): str(e.get("source") or e["path"])
+                                       for e in fleet.get("ledger", [])}
             snapshot.ledger_source = f"{snapshot.fleet_url}/fleet"
             snapshot.sync_pause = fleet.get("sync_pause")
             snapshot.named_runs = sorted(row["run"] for row in fleet.get("runs", []) if row["run"] != DEFAULT_RUN)
@@ -108,7 +110,9 @@ async def gather_snapshot(settings: StackSettings, fleet_url: str | None, replic
     snapshot.replicas = list(views.values())
     if snapshot.ledger is None:
         path = ledger_format.ledger_path(settings.adapter_root)
-        snapshot.ledger = read_ledger_file(settings.adapter_root)
+        entries = read_ledger_file(settings.adapter_root, settings.content_store)
+        snapshot.ledger = None if entries is None else [(name, path) for name, path, _ in entries]
+        snapshot.ledger_sources = {name: source or path for name, path, source in entries or []}
         snapshot.ledger_source = str(path) if snapshot.ledger is not None else f"no readable {path}"
     token = settings.proxy_upstream_token
     await asyncio.gather(*(_read_replica(replica, token, http) for replica in snapshot.replicas))
@@ -119,11 +123,11 @@ async def gather_snapshot(settings: StackSettings, fleet_url: str | None, replic
     return snapshot
 
 
-def read_ledger_file(adapter_root: Path) -> list[tuple[str, str]] | None:
-    """(name, path) pairs of the proxy's ledger file (`lorafleet.ledger_format`), in load order; None when it
+def read_ledger_file(adapter_root: Path, content_store: Path | None = None) -> list[tuple[str, str, str]] | None:
+    """(name, path, source) of the proxy's ledger file (`lorafleet.ledger_format`), in load order; None when it
     cannot be read. Used when the proxy cannot be asked and the fleet volume is mounted here."""
     try:
-        state = ledger_format.read(ledger_format.ledger_path(adapter_root), adapter_root)
+        state = ledger_format.read(ledger_format.ledger_path(adapter_root), adapter_root, content_store)
     except ledger_format.LedgerFileError:
         return None
-    return None if state is None else [(name, entry.path) for name, entry in state.adapters.items()]
+    return None if state is None else [(name, entry.path, entry.source) for name, entry in state.adapters.items()]

@@ -74,6 +74,7 @@ class Snapshot:
     fleet_token: str = field(default="", repr=False)  # the run's key (TRAINER_RUN_KEY_FILE) the fleet URL is asked with
     ledger: list[tuple[str, str]] | None = None  # (name, path) in load order; None when unknown
     ledger_source: str = ""
+    ledger_sources: dict[str, str] = field(default_factory=dict)  # name -> the run folder it was published from
     replicas: list[ReplicaView] = field(default_factory=list)
     metrics_path: Path | None = None
     metrics_lines: list[str] | None = None  # None when the file does not exist
@@ -92,6 +93,7 @@ class ProbeReport:
 
     name: str = ""
     path: str = ""
+    served: str = ""  # its folder in the proxy's content store, which replicas list after a load through the proxy
     skipped: str = ""  # why no probe adapter was published (root not mounted, no base config, ...)
     broadcast: bool = False  # a proxy carried load/unload/pause/resume
     load_error: str | None = None  # the proxy's (or the direct) load answer when it failed

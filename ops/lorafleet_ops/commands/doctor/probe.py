@@ -15,6 +15,7 @@ import logging
 import shutil
 
 import httpx
+from lorafleet.ledger_format import FINGERPRINT_PREFIX, fingerprint
 from lorafleet.logs import log_event
 from lorafleet.runs import BUDGET_ERROR
 from lorafleet.settings import StackSettings
@@ -59,9 +60,10 @@ async def run_probe(settings: StackSettings, snapshot: Snapshot, http: httpx.Asy
     return report
 
 
-async def _listed(direct: Replica, name: str, path: str) -> bool | str:
+async def _listed(direct: Replica, name: str, report: ProbeReport) -> bool | str:
+    """Whether `direct` lists the probe at its folder (a direct load) or at its content-store folder (the proxy's)."""
     try:
-        return norm_path((await direct.loaded_adapters()).get(name, "")) == norm_path(path)
+        return norm_path((await direct.loaded_adapters()).get(name, "")) in {norm_path(report.path), report.served}
     except VLLMError as exc:
         return str(exc)
 
@@ -114,6 +116,7 @@ async def _probe_adapter(settings: StackSettings, snapshot: Snapshot, report: Pr
         report.skipped = f"cannot write the probe adapter under {root} here: {exc}"
         return
     report.path = str(directory.resolve())
+    report.served = norm_path(str(settings.content_store / fingerprint(directory).removeprefix(FINGERPRINT_PREFIX)))
     log_event(log, "probe_published", name=report.name, path=report.path)
     try:
         await _probe_load_and_generate(snapshot, report, clients, proxy)
@@ -155,7 +158,7 @@ async def _probe_load_and_generate(snapshot: Snapshot, report: ProbeReport, clie
         report.direct_load_error = {url: (None if not isinstance(r, BaseException) or
                                           (isinstance(r, VLLMError) and r.already_loaded) else str(r))
                                     for url, r in zip(clients, results, strict=True)}
-    listed = await asyncio.gather(*(_listed(c, report.name, report.path) for c in clients.values()))
+    listed = await asyncio.gather(*(_listed(c, report.name, report) for c in clients.values()))
     report.listed_after_load = {url: state is True for url, state in zip(clients, listed, strict=True)}
     report.generate_error = await _generate_all(snapshot, clients, report.name)
     log_event(log, "probe_generated", name=report.name,
@@ -172,7 +175,7 @@ async def _probe_unload(report: ProbeReport, clients: dict[str, Replica], proxy:
         except VLLMError as exc:
             if not (exc.status == 404 and report.load_error):  # 404 after a failed load: nothing was loaded
                 report.unload_error = str(exc)
-        listed = await asyncio.gather(*(_listed(c, report.name, report.path) for c in clients.values()))
+        listed = await asyncio.gather(*(_listed(c, report.name, report) for c in clients.values()))
         report.listed_after_unload = {url: state is not True for url, state in zip(clients, listed, strict=True)}
     still = []
     for url, client in clients.items():
