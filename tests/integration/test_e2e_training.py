@@ -182,7 +182,8 @@ def test_second_run_reusing_policy_names_is_safe(
     assert "already been loaded" not in log
     fleet = _fleet(proxy)
     ledger = _ledger(fleet)
-    assert ledger and all("/runs/rerun/" in path for path in ledger.values()), ledger
+    # Each entry's path is its content-store folder; `source`, the run folder it was published from.
+    assert ledger and all("/runs/rerun/" in entry["source"] for entry in fleet["ledger"]), fleet["ledger"]
     for replica in fleet["replicas"]:
         assert replica["adapters"] == ledger, f"{replica['url']} holds {replica['adapters']}"
         assert served_adapters(replica["url"]) == ledger  # observed on the replica itself, not the proxy's word
