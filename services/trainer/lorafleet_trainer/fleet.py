@@ -21,6 +21,8 @@ from lorafleet.runs import DEFAULT_RUN, url_run
 from lorafleet.settings import TrainerSettings
 from lorafleet.vllm_api import VLLMClient, VLLMError, VLLMUnreachable
 
+from lorafleet_trainer.resilience import RETRY_STATUSES
+
 log = logging.getLogger(__name__)
 PREFLIGHT_GROUP = "lorafleet.preflight"
 
@@ -190,8 +192,8 @@ async def fleet_size(settings: TrainerSettings, *, run_key: str, stopping: Calla
 
 
 def fleet_gone(exc: VLLMError) -> bool:
-    """No answer, or the proxy's 502/503 (nothing done): the proxy went away or is coming back, not a refusal."""
-    return isinstance(exc, VLLMUnreachable) or exc.status in (502, 503)
+    """No answer, or a status the control calls wait out (the proxy's 502/503: nothing done), not a refusal."""
+    return isinstance(exc, VLLMUnreachable) or exc.status in RETRY_STATUSES
 
 
 async def prepare_fleet(settings: TrainerSettings, lora_config: Any, *, run_key: str,
