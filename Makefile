@@ -68,7 +68,7 @@ SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pypr
 
 # Every target but the stamp file (tests/unit/test_makefile.py checks it).
 .PHONY: help setup bench-turns unit integration test test-compat test-stack test-gpu test-gpu-processes lint fuzz \
-        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-canary bench-canary-noise bench-lora-stress bench-pipeline bench-gpu \
+        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-store-cost bench-canary bench-canary-noise bench-lora-stress bench-pipeline bench-gpu \
         chaos bench-chaos \
         demo status doctor host-check gpu-check engine-check build up down scale train run-key logs ps docs docs-serve docs-reference
 
