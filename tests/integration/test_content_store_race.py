@@ -22,11 +22,8 @@ from typing import Any
 import httpx
 import pytest
 from lorafleet.ledger_format import fingerprint
-from lorafleet.settings import load_settings
-from lorafleet_proxy.app import create_app
 from lorafleet_proxy.content_store import ContentStore
-from lorafleet_testing.fakes import start_server
-from lorafleet_testing.waiting import until
+from lorafleet_testing.fleet import proxy_in_loop
 
 pytestmark = [pytest.mark.integration]
 
@@ -36,22 +33,9 @@ STAGES = ["checked", "opened", "copied", "stored"]
 
 @pytest.fixture(scope="module")
 async def proxy(shared_replicas: list[Any], root: Path) -> AsyncIterator[tuple[httpx.AsyncClient, ContentStore]]:
-    settings = load_settings(proxy_upstreams=",".join(r.url for r in shared_replicas), adapter_root=str(root),
-                             proxy_health_interval_s=0.25, proxy_lora_load_timeout_s=60, proxy_canary_interval_s=0,
-                             proxy_sync_backoff_max_s=2)
-    app = create_app(settings)
-    server = await start_server(app)
-    http = httpx.AsyncClient(base_url=server.url, timeout=120)
-
-    async def ready() -> bool:
-        return all(r["state"] == "ready" for r in (await http.get("/fleet")).json()["replicas"])
-
-    await until(ready, "every replica ready", 180)
-    yield http, app.state.ledger.content
-    for entry in (await http.get("/fleet")).json()["ledger"]:
-        await http.post("/v1/unload_lora_adapter", json={"lora_name": entry["name"]})
-    await http.aclose()
-    await server.stop()
+    async with proxy_in_loop(shared_replicas, root, proxy_health_interval_s=0.25, proxy_lora_load_timeout_s=60,
+                             proxy_canary_interval_s=0, proxy_sync_backoff_max_s=2) as (http, app):
+        yield http, app.state.ledger.content
 
 
 async def greedy(replica_url: str, model: str) -> list[float]:

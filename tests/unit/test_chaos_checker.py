@@ -21,6 +21,7 @@ from lorafleet_ops.chaos.checker import (
     INVARIANTS,
     MANIFEST,
     OBSERVED,
+    Report,
     check_folder,
     render,
 )
@@ -30,6 +31,7 @@ from lorafleet_trainer.resume import rollback_bound
 
 GENERATIONS = 8
 REPLICAS = ("http://127.0.0.1:1", "http://127.0.0.1:2")
+PIDS = {url: 100 + index for index, url in enumerate(REPLICAS)}  # one process each for the whole run
 EPOCH = 1_800_000_000.0  # the synthetic runs' clock: start k begins at EPOCH + 1000 k
 
 
@@ -138,14 +140,17 @@ def write(folder: Path, runs: dict[str, Run], seed: int = 7, final_ledger: dict[
             ledger[qualify(name, policy_name(version))] = f"sha256:{name}-{version}"
             published_at[version] = next(clock)
             samples.append({"time": published_at[version], "ledger": dict(ledger), "replicas": {},
-                            "held": {url: sorted(ledger) for url in REPLICAS}})
+                            "held": {url: sorted(ledger) for url in REPLICAS},
+                            "listed_at": dict.fromkeys(REPLICAS, published_at[version]), "pids": dict(PIDS)})
         (run_folder / ROLLOUTS_FILE).write_text("".join(json.dumps(rollout(name, line, position, published_at)) + "\n"
                                                         for line in run.lines for position in line["positions"]))
         stale = {qualify(name, policy_name(v)) for v in run.published if v not in run.window()}
         ledger = {key: value for key, value in ledger.items() if key not in stale}
     final = ledger if final_ledger is None else final_ledger
-    samples.append({"time": next(clock), "ledger": final, "replicas": {url: sorted(ledger) for url in REPLICAS},
-                    "held": {url: sorted(ledger) for url in REPLICAS}})
+    end = next(clock)
+    samples.append({"time": end, "ledger": final, "replicas": {url: sorted(ledger) for url in REPLICAS},
+                    "held": {url: sorted(ledger) for url in REPLICAS}, "listed_at": dict.fromkeys(REPLICAS, end),
+                    "pids": dict(PIDS)})
     (folder / OBSERVED).write_text("".join(json.dumps(sample) + "\n" for sample in samples))
     schedule = [{"at_step": 1.5, "kind": "sigkill", "target": "trainer-a", "hold_s": 0.0, "phase": "training"}]
     (folder / MANIFEST).write_text(json.dumps({"seed": seed, "schedule": schedule, "runs": spec}))
@@ -353,6 +358,97 @@ def test_a_replica_seen_holding_the_version_only_after_the_rollout_is_caught(tmp
 
     lines = _rewrite(path, early)
     assert _violated(folder, "provenance") == lines[-1]
+
+
+def _one_run(tmp_path: Path) -> tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]:
+    """A clean chaos folder of one run: the folder, its rollouts and its observed lines."""
+    folder = write(tmp_path, {"a": trained(Plan(max_steps=6, save_steps=2, groups=1, max_staleness=1, kills=[]))})
+    path = folder / ADAPTERS / "runs" / "a" / ROLLOUTS_FILE
+    rollouts = [json.loads(line) for line in path.read_text().splitlines()]
+    observed = [json.loads(line) for line in (folder / OBSERVED).read_text().splitlines()]
+    return folder, rollouts, observed
+
+
+def _lose_after(observed: list[dict[str, Any]], replica: str, name: str, when: float, **change: Any) -> None:
+    """`replica` stops listing `name` from `when` on (and before, it never did), with `change` to those samples."""
+    for sample in observed:
+        sample["held"][replica] = [held for held in sample["held"][replica] if held != name]
+        if sample["time"] > when:
+            for key, value in change.items():
+                sample[key][replica] = value
+
+
+def test_a_listing_asked_before_the_rollout_is_not_the_look_after_it(tmp_path: Path) -> None:
+    """A sample is stamped when it ends; a replica that timed out makes it end seconds after its first listing was
+    asked. The look after a rollout is the first listing *asked* after it, whatever the sample's stamp."""
+    folder, rollouts, observed = _one_run(tmp_path)
+    last = rollouts[-1]
+    replica, name = last["answers"][0]["replica"], last["answers"][0]["adapter"]
+    earlier = [sample for sample in observed if sample["time"] <= last["time"]]
+    later = observed[len(earlier):]  # these list the name
+    skewed = {"time": last["time"] + 2.0, "ledger": earlier[-1]["ledger"], "replicas": {},
+              "held": {url: list(earlier[-1]["held"][url]) for url in REPLICAS},
+              "listed_at": dict.fromkeys(REPLICAS, last["time"] - 0.3), "pids": dict(PIDS)}
+    for sample in [*earlier, skewed]:
+        sample["held"][replica] = [held for held in sample["held"][replica] if held != name]
+
+    def observe(asked: float) -> Report:
+        skewed["listed_at"] = dict.fromkeys(REPLICAS, asked)
+        (folder / OBSERVED).write_text("".join(json.dumps(line) + "\n" for line in [*earlier, skewed, *later]))
+        return check_folder(folder)
+
+    report = observe(last["time"] - 0.3)  # asked before the rollout: the next listing is the look after it
+    assert report.ok and report.provenance.unverified == 0, render(report)
+    report = observe(last["time"] + 0.3)  # asked after it: this listing decides, and lacks the name
+    assert report.first("provenance") is not None and report.first("provenance").record == last
+
+
+@pytest.mark.parametrize("silence", ["restarted", "unreachable", "retired"])
+def test_a_replica_the_listings_cannot_decide_is_undecided_not_violated(tmp_path: Path, silence: str) -> None:
+    """The replica answered under the name (vLLM answers only under a name it holds), but the listings never show
+    it: a restart before the next look lost it, the replica was never reached again, or the name left the ledger
+    before the next look. Counted as undecided, with one reason; with none of these it is a violation."""
+    folder, rollouts, observed = _one_run(tmp_path)
+    first = rollouts[0]
+    replica, name = first["answers"][0]["replica"], first["answers"][0]["adapter"]
+    when = first["time"]
+    if silence == "restarted":
+        _lose_after(observed, replica, name, when, pids=PIDS[replica] + 1000)
+    elif silence == "unreachable":
+        _lose_after(observed, replica, name, when, held=None)
+    else:
+        _lose_after(observed, replica, name, when)
+        observed.append({"time": when + 0.1, "ledger": {}})  # the watch: the ledger dropped every name
+        observed.sort(key=lambda line: line["time"])
+    (folder / OBSERVED).write_text("".join(json.dumps(line) + "\n" for line in observed))
+    report = check_folder(folder)
+    assert report.first("provenance") is None, render(report)
+    assert report.provenance.unverified >= 1 and report.provenance.answers == sum(len(r["answers"]) for r in rollouts)
+    reason = {"restarted": "restarted", "unreachable": "not reached again", "retired": "left the ledger"}[silence]
+    assert reason in report.provenance.example and "undecided" in render(report)
+    # The same silence with the replica's process, reach and ledger unchanged decides it: a violation.
+    folder2, _, observed2 = _one_run(tmp_path / "plain")
+    _lose_after(observed2, replica, name, when)
+    (folder2 / OBSERVED).write_text("".join(json.dumps(line) + "\n" for line in observed2))
+    assert check_folder(folder2).first("provenance") is not None
+
+
+def test_a_version_seen_only_by_the_ledger_watch_is_held(tmp_path: Path) -> None:
+    """A version that lived in the ledger between two fleet samples: the watch's line shows it, so its rollouts'
+    fingerprints are the ledger's."""
+    folder, rollouts, observed = _one_run(tmp_path)
+    last = rollouts[-1]["answers"][0]
+    fleet = [line for line in observed if "replicas" in line]
+    for sample in fleet[:-1]:
+        sample["ledger"].pop(last["adapter"], None)
+    watch = {"time": rollouts[-1]["time"] - 0.2, "ledger": {last["adapter"]: last["fingerprint"]}}
+    (folder / OBSERVED).write_text("".join(json.dumps(line) + "\n" for line in [*fleet[:-1], watch, fleet[-1]]))
+    report = check_folder(folder)
+    assert report.first("provenance") is None, render(report)
+    (folder / OBSERVED).write_text("".join(json.dumps(line) + "\n" for line in [*fleet[:-1], fleet[-1]]))
+    fleet[-1]["ledger"].pop(last["adapter"], None)
+    (folder / OBSERVED).write_text("".join(json.dumps(line) + "\n" for line in fleet))
+    assert "never held" in check_folder(folder).first("provenance").reason
 
 
 def test_provenance_is_not_judged_without_the_fleets_history(tmp_path: Path) -> None:

@@ -12,10 +12,12 @@ The chaos folder:
                      "runs": {"<run>": {"max_steps": n, "max_staleness": n, "exit_code": n, "log": "<file>",
                                         "rows": n | null, "exits": [n, ...]}}}
     adapters/       the ADAPTER_ROOT: runs/<run>/{prompts.jsonl, metrics.jsonl, checkpoint-N, .vllm_lora}
-    observed.jsonl  the fleet as sampled during the run, one line a sample, the last one after the last fault
-                    healed: {"time": t, "ledger": {"<name>": "<fingerprint>"},
+    observed.jsonl  the fleet as observed during the run (observe.py), in time order: the ledger each time it
+                    changed, {"time": t, "ledger": {"<name>": "<fingerprint>"}}, and once a second a fleet sample,
+                    the last one after the last fault healed: {"time": t, "ledger": {...},
                              "replicas": {"<url>": ["<adapter>", ...] | null (not ready)},
-                             "held": {"<url>": ["<adapter>", ...] | null (not answering)}}
+                             "held": {"<url>": ["<adapter>", ...] | null (not answering)},
+                             "listed_at": {"<url>": t}, "pids": {"<url>": pid | null}}
 
 A run's `log` is its trainer's output over all its starts, relative to the folder; `exit_code` its last start's,
 `exits` every start's. A replica's <url> is the one the proxy knows it by (what provenance names).
@@ -45,7 +47,7 @@ from lorafleet_trainer.prompt_log import (
 )
 
 from lorafleet_ops.chaos.client_errors import error_findings
-from lorafleet_ops.chaos.provenance import FleetHistory, provenance_findings
+from lorafleet_ops.chaos.provenance import FleetHistory, ProvenanceTally, is_sample, provenance_findings
 from lorafleet_ops.chaos.resumes import resume_findings
 from lorafleet_ops.commands.doctor.checks import RATIO_FAIL
 
@@ -97,6 +99,7 @@ class Report:
     schedule: list[Any]
     checked: list[str] = field(default_factory=lambda: list(INVARIANTS))
     violations: list[Violation] = field(default_factory=list)
+    provenance: ProvenanceTally = field(default_factory=ProvenanceTally)
 
     @property
     def ok(self) -> bool:
@@ -128,8 +131,8 @@ def check(adapter_root: Path, runs: dict[str, RunSpec], observed: list[dict[str,
     for run, spec in runs.items():
         report.violations += check_run(run, spec, adapter_root / "runs" / run)
         if history is not None:
-            report.violations += [Violation("provenance", run, *finding)
-                                  for finding in provenance_findings(adapter_root / "runs" / run, history)]
+            report.violations += [Violation("provenance", run, *finding) for finding in
+                                  provenance_findings(adapter_root / "runs" / run, history, report.provenance)]
     report.violations += check_fleet(observed)
     return report
 
@@ -226,8 +229,9 @@ def check_fleet(observed: list[dict[str, Any]]) -> list[Violation]:
             if version < newest.get(run, 0):
                 found.append(Violation("versions_go_up", run, f"{name} first loaded after v{newest[run]}", sample))
             newest[run] = max(version, newest.get(run, 0))
-    if observed:
-        last = observed[-1]
+    samples = [line for line in observed if is_sample(line)]
+    if samples:
+        last = samples[-1]
         ledger = set(last["ledger"])
         for url, names in last["replicas"].items():
             if names is not None and set(names) != ledger:
@@ -238,10 +242,14 @@ def check_fleet(observed: list[dict[str, Any]]) -> list[Violation]:
 
 def render(report: Report) -> str:
     """The verdict; a violation prints the seed, the schedule and each invariant's first bad record."""
+    tally = report.provenance
+    undecided = (f"provenance: {tally.unverified} of {tally.answers} answers undecided by the listings"
+                 + (f" (e.g. {tally.example})" if tally.unverified else ""))
     if report.ok:
-        return f"chaos seed={report.seed}: {len(report.checked)} invariants hold ({', '.join(report.checked)})"
+        return (f"chaos seed={report.seed}: {len(report.checked)} invariants hold ({', '.join(report.checked)})\n"
+                + undecided)
     lines = [f"chaos seed={report.seed}: {len(report.violations)} violations; replay: make chaos SEED={report.seed}",
-             "schedule:"]
+             undecided, "schedule:"]
     lines += [f"  {json.dumps(fault)}" for fault in report.schedule]
     for invariant in report.checked:
         if (violation := report.first(invariant)) is not None:

@@ -76,7 +76,9 @@ def chaos(form: Form, folder: Path, replicas: list[Service], model: Path,
     services["proxy"] = Supervised(proxy, UNLESS_STOPPED)
     trainers: dict[str, Supervised] = {}
     own_urls = {relay.url: replica.url for relay, replica in zip(relays.values(), slots, strict=True)}
-    observer = Observer(root, proxy.url, own_urls, form.runs, folder / OBSERVED)
+    slot_of = {relay.url: services[name] for name, relay in relays.items()}
+    observer = Observer(root, proxy.url, own_urls, form.runs, folder / OBSERVED,
+                        pid_of=lambda relay: slot_of[relay].service.pid if slot_of[relay].service.alive else None)
     supervisor = Supervisor(list(services.values()))
     started = time.monotonic()
     try:
@@ -218,6 +220,7 @@ def summary(form: Form, report: Report, applied: list[dict[str, Any]], services:
         "runs": {name.removeprefix("trainer-"): {"starts": 1 + each.restarts, "exit_codes": each.exits}
                  for name, each in services.items() if name.startswith("trainer-")},
         "invariants": report.checked, "violation_count": len(report.violations),
+        "provenance": asdict(report.provenance),
         "violations": [asdict(violation) for violation in report.violations],
         "schedule": applied,
     }

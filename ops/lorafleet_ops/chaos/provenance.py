@@ -1,12 +1,17 @@
 """Provenance against the fleet's history: every rollout the trainer read names a content the ledger held under that
-adapter name, and a replica the observer saw holding that name.
+adapter name, and a replica that held that name.
 
 rollouts.jsonl (lorafleet_trainer.provenance) carries, per turn, the replica that answered (the URL the proxy knows it
-by), the adapter name and the fingerprint the proxy's headers named. observed.jsonl (observe.py) samples the ledger and
-what each replica itself lists on /v1/models once a second. The observer cannot see a load and a generation that both
-fall between two of its samples, so a replica counts as having held the name when it listed it at some sample up to
-the first one after the rollout was logged: a replica that never listed the name before that (it never loaded it, or
-a restart lost it and nothing reloaded it) fails. Samples read all rollouts, trained or dropped as stale.
+by), the adapter name and the fingerprint the proxy's headers named, and when the trainer read it. observed.jsonl
+(observe.py) holds every state of the ledger (watched every 50 ms) and, once a second, what each replica itself
+lists on /v1/models, when it was asked and which process served it.
+
+The ledger's side is exact: the fingerprint must be one the ledger held under that name. The replica's side is
+judged where the listings can decide it. A replica answers only under a name it holds, so it must list the name at
+some listing up to its first answered listing after the rollout was read. Two things can make that listing silent
+without any fault of the product, and then the answer counts as unverified, not as a violation: the replica's
+process changed before it (a restart loses what was loaded), or the name left the ledger before it (a retired
+version is unloaded). A replica the observer never reached again is unverified too.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import bisect
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,36 +28,18 @@ from lorafleet_trainer.provenance import ROLLOUTS_FILE
 Finding = tuple[str, Any]
 
 
-class FleetHistory:
-    """What the samples show: every fingerprint each name had in the ledger, and when each replica first listed it."""
+@dataclass(frozen=True)
+class Listing:
+    """One look at a replica: when it was asked, the process serving it then, what it listed (None: no answer)."""
 
-    def __init__(self, observed: list[dict[str, Any]]) -> None:
-        self.times = [sample["time"] for sample in observed]
-        self.contents: dict[str, set[str]] = {}
-        self.first_held: dict[tuple[str, str], float] = {}
-        for sample in observed:
-            for name, fingerprint in sample["ledger"].items():
-                self.contents.setdefault(name, set()).add(fingerprint)
-            for url, names in held(sample).items():
-                for name in names or ():
-                    self.first_held.setdefault((url, name), sample["time"])
+    at: float
+    pid: int | None
+    names: frozenset[str] | None
 
-    def seen_by(self, when: float) -> float:
-        """The time of the first sample after `when` (the last sample's when none is later)."""
-        index = bisect.bisect_right(self.times, when)
-        return self.times[min(index, len(self.times) - 1)] if self.times else float("-inf")
 
-    def judge(self, answer: dict[str, Any], when: float) -> str | None:
-        """Why one answer's provenance is false (None when it holds)."""
-        name, fingerprint, replica = answer["adapter"], answer["fingerprint"], answer["replica"]
-        if not replica or not name:
-            return "an answer without provenance (no replica or adapter named)"
-        if fingerprint not in self.contents.get(name, ()):
-            return f"{name} never held {fingerprint} in the ledger (it held {sorted(self.contents.get(name, ()))})"
-        first = self.first_held.get((replica, name))
-        if first is None or first > self.seen_by(when):
-            return f"{replica} was not seen holding {name} by the first sample after the rollout"
-        return None
+def is_sample(line: dict[str, Any]) -> bool:
+    """A fleet sample (replicas listed), not a line of the ledger watch."""
+    return "replicas" in line
 
 
 def held(sample: dict[str, Any]) -> dict[str, list[str] | None]:
@@ -59,13 +47,83 @@ def held(sample: dict[str, Any]) -> dict[str, list[str] | None]:
     return sample.get("held", sample["replicas"])
 
 
-def provenance_findings(folder: Path, history: FleetHistory) -> Iterator[Finding]:
-    """Each rollout of the run folder's rollouts.jsonl whose provenance the fleet's history contradicts."""
+class FleetHistory:
+    """What observed.jsonl shows: every fingerprint each name had in the ledger, when each name was in it, and each
+    replica's listings in time order."""
+
+    def __init__(self, observed: list[dict[str, Any]]) -> None:
+        self.contents: dict[str, set[str]] = {}
+        watch = [line for line in observed if not is_sample(line)] or observed  # older folders: the samples' ledgers
+        self.ledger_times = [line["time"] for line in sorted(watch, key=lambda line: line["time"])]
+        self.ledgers = [set(line["ledger"]) for line in sorted(watch, key=lambda line: line["time"])]
+        for line in observed:
+            for name, fingerprint in line["ledger"].items():
+                self.contents.setdefault(name, set()).add(fingerprint)
+        self.listings: dict[str, list[Listing]] = {}
+        for sample in filter(is_sample, observed):
+            for url, names in held(sample).items():
+                at = sample.get("listed_at", {}).get(url, sample["time"])
+                pid = sample.get("pids", {}).get(url)
+                self.listings.setdefault(url, []).append(
+                    Listing(at, pid, None if names is None else frozenset(names)))
+        for listings in self.listings.values():
+            listings.sort(key=lambda listing: listing.at)
+
+    def left_ledger(self, name: str, after: float, before: float) -> bool:
+        """Whether some ledger state between `after` and `before` lacked `name`."""
+        start = bisect.bisect_right(self.ledger_times, after)
+        end = bisect.bisect_left(self.ledger_times, before)
+        return any(name not in ledger for ledger in self.ledgers[max(start - 1, 0):end])
+
+    def judge(self, answer: dict[str, Any], when: float) -> tuple[bool, str] | None:
+        """None when one answer's provenance holds; else (violated, why): violated False when the listings cannot
+        decide it."""
+        name, fingerprint, replica = answer["adapter"], answer["fingerprint"], answer["replica"]
+        if not replica or not name:
+            return True, "an answer without provenance (no replica or adapter named)"
+        if fingerprint not in (contents := self.contents.get(name, set())):
+            return True, f"{name} never held {fingerprint} in the ledger (it held {sorted(contents)})"
+        listings = self.listings.get(replica, [])
+        before = [listing for listing in listings if listing.at <= when]
+        after = next((listing for listing in listings if listing.at > when and listing.names is not None), None)
+        if any(name in (listing.names or ()) for listing in [*before, *([after] if after else [])]):
+            return None
+        if after is None:
+            return False, f"{replica} was not reached again after the rollout"
+        serving = before[-1].pid if before else after.pid  # no look before it: the first look's process answered
+        if after.pid != serving or serving is None:
+            return False, f"{replica} restarted before the observer's next look"
+        if self.left_ledger(name, when, after.at):
+            return False, f"{name} left the ledger before the observer's next look at {replica}"
+        return True, f"{replica} was not seen holding {name} by its first listing after the rollout"
+
+
+@dataclass
+class ProvenanceTally:
+    """Answers judged, and those the listings could not decide (with one example of why)."""
+
+    answers: int = 0
+    unverified: int = 0
+    example: str = ""
+
+
+def provenance_findings(folder: Path, history: FleetHistory, tally: ProvenanceTally | None = None) -> Iterator[Finding]:
+    """Each rollout of the run folder's rollouts.jsonl whose provenance the fleet's history contradicts; `tally`
+    counts the answers and the undecided ones."""
+    tally = tally if tally is not None else ProvenanceTally()
     path = folder / ROLLOUTS_FILE
     for line in path.read_text().splitlines() if path.exists() else ():
         if not line.strip():
             continue
         rollout = json.loads(line)
         for answer in rollout.get("answers") or [{"replica": "", "adapter": "", "fingerprint": ""}]:
-            if (reason := history.judge(answer, rollout["time"])) is not None:
+            tally.answers += 1
+            verdict = history.judge(answer, rollout["time"])
+            if verdict is None:
+                continue
+            violated, reason = verdict
+            if violated:
                 yield reason, rollout
+            else:
+                tally.unverified += 1
+                tally.example = tally.example or reason

@@ -12,15 +12,18 @@ on that root); a module defining either itself keeps its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from lorafleet.adapters import adapter_dir, content_dir
 from lorafleet.ledger_format import FINGERPRINT_PREFIX, fingerprint
+from lorafleet.settings import load_settings
 from lorafleet.vllm_api import VLLMClient
 from lorafleet_ops.placement import Placement
 from lorafleet_ops.processes import (
@@ -33,6 +36,10 @@ from lorafleet_ops.processes import (
 )
 from lorafleet_ops.tiny_model import make_adapter as build_adapter
 from lorafleet_ops.tiny_model import make_tiny_model
+from lorafleet_proxy.app import create_app
+
+from lorafleet_testing.fakes import start_server
+from lorafleet_testing.waiting import until
 
 TEST_RUN = "itest"
 # Core sets for CPU replicas on a 2-core box: three distinct claims, so three replicas can coexist.
@@ -227,6 +234,30 @@ def fleet(shared_replicas: list[Service], start_proxy: Callable[..., Service],
     for card in httpx.get(proxy.url + "/v1/models", timeout=10).json()["data"][1:]:
         httpx.post(proxy.url + "/v1/unload_lora_adapter", json={"lora_name": card["id"]}, timeout=60)
     proxy.stop()
+
+
+@contextlib.asynccontextmanager
+async def proxy_in_loop(replicas: list[Service], root: Path,
+                        **settings: float | str) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI]]:
+    """The proxy app served in the test's own loop (real HTTP) in front of real `replicas`, ADAPTER_ROOT `root`, once
+    every replica is ready: for tests that read or drive its state (the ledger, the content store, the fleet). On the
+    way out it unloads what its ledger holds, so the replicas go on clean for the next module."""
+    app = create_app(load_settings(proxy_upstreams=",".join(r.url for r in replicas), adapter_root=str(root),
+                                   **settings))
+    server = await start_server(app)
+    http = httpx.AsyncClient(base_url=server.url, timeout=120)
+
+    async def all_ready() -> bool:
+        return all(r["state"] == "ready" for r in (await http.get("/fleet")).json()["replicas"])
+
+    try:
+        await until(all_ready, "every replica ready", 180)
+        yield http, app
+        for entry in (await http.get("/fleet")).json()["ledger"]:
+            await http.post("/v1/unload_lora_adapter", json={"lora_name": entry["name"]})
+    finally:
+        await http.aclose()
+        await server.stop()
 
 
 async def reload_with_other_files(replica_url: str, name: str, other: Path) -> None:
