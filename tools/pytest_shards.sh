@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs one pytest command as N processes side by side (`make integration`, INTEGRATION_SHARDS; docs/development/testing.md).
 # Usage: tools/pytest_shards.sh N DURATIONS LOG_DIR -- pytest [args...]
-# Why: the integration tier mostly waits on its replicas (about half of one core), so two processes finish in little
-# more than half the time. pytest-split cuts the collected tests into N contiguous chunks of equal measured time
-# (DURATIONS, refreshed with `make integration INTEGRATION_SHARDS=1 PYTEST_ARGS=--store-durations`): a module stays in
-# one process, its replicas are started once, and each process keeps the session's order.
+# For a box with cores to spare (on CI's 2 cores two processes contend for the CPU and gain next to nothing).
+# pytest-split cuts the collected tests into N contiguous chunks of equal measured time (DURATIONS, refreshed with
+# `make integration PYTEST_ARGS=--store-durations`): a module stays in one process, its replicas are started once,
+# and each process keeps the session's order.
 # Shard 1 prints live; the others write LOG_DIR/shard-K.log, printed when they end. The exit status is pytest's:
 # 0 when every shard passed (a shard that a -k or -m left without tests is not a failure), else the first failing
 # shard's, 5 when no shard ran a test.
