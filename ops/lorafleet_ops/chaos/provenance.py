@@ -54,8 +54,9 @@ class FleetHistory:
     def __init__(self, observed: list[dict[str, Any]]) -> None:
         self.contents: dict[str, set[str]] = {}
         watch = [line for line in observed if not is_sample(line)] or observed  # older folders: the samples' ledgers
-        self.ledger_times = [line["time"] for line in sorted(watch, key=lambda line: line["time"])]
-        self.ledgers = [set(line["ledger"]) for line in sorted(watch, key=lambda line: line["time"])]
+        watch = sorted(watch, key=lambda line: line["time"])
+        self.ledger_times = [line["time"] for line in watch]
+        self.ledgers = [set(line["ledger"]) for line in watch]
         for line in observed:
             for name, fingerprint in line["ledger"].items():
                 self.contents.setdefault(name, set()).add(fingerprint)
@@ -66,8 +67,12 @@ class FleetHistory:
                 pid = sample.get("pids", {}).get(url)
                 self.listings.setdefault(url, []).append(
                     Listing(at, pid, None if names is None else frozenset(names)))
-        for listings in self.listings.values():
+        self.first_listed: dict[tuple[str, str], float] = {}  # when each replica first listed each name
+        for url, listings in self.listings.items():
             listings.sort(key=lambda listing: listing.at)
+            for listing in listings:
+                for name in listing.names or ():
+                    self.first_listed.setdefault((url, name), listing.at)
 
     def left_ledger(self, name: str, after: float, before: float) -> bool:
         """Whether some ledger state between `after` and `before` lacked `name`."""
@@ -84,13 +89,14 @@ class FleetHistory:
         if fingerprint not in (contents := self.contents.get(name, set())):
             return True, f"{name} never held {fingerprint} in the ledger (it held {sorted(contents)})"
         listings = self.listings.get(replica, [])
-        before = [listing for listing in listings if listing.at <= when]
-        after = next((listing for listing in listings if listing.at > when and listing.names is not None), None)
-        if any(name in (listing.names or ()) for listing in [*before, *([after] if after else [])]):
+        first_after = bisect.bisect_right(listings, when, key=lambda listing: listing.at)
+        after = next((listing for listing in listings[first_after:] if listing.names is not None), None)
+        if self.first_listed.get((replica, name), float("inf")) <= (after.at if after else when):
             return None
         if after is None:
             return False, f"{replica} was not reached again after the rollout"
-        serving = before[-1].pid if before else after.pid  # no look before it: the first look's process answered
+        # No look before it: the first look's process answered.
+        serving = listings[first_after - 1].pid if first_after else after.pid
         if after.pid != serving or serving is None:
             return False, f"{replica} restarted before the observer's next look"
         if self.left_ledger(name, when, after.at):
