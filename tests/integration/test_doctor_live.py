@@ -8,9 +8,11 @@ and the doctor share one sub-folder of the session adapter root as ADAPTER_ROOT 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -116,6 +118,40 @@ class TestHealthyFleet:
                 assert await client.is_paused() is False
                 assert not any(n.startswith("lorafleet-doctor-probe") for n in await client.loaded_adapters())
         assert not [p for p in lora_dir(root, RUN).iterdir() if "probe" in p.name]
+
+    async def test_doctors_beside_other_pausers_never_fail_a_healthy_fleet(self, proxy, shared_replicas,
+                                                                            tiny_model, root):
+        """Issue 56: `make doctor` while a trainer's start-up doctor probed reported `resume did not reach` on a
+        healthy fleet. Two doctors probe at once while a third client pauses and resumes the fleet through the proxy
+        at seeded random moments: no check fails, and nothing is left paused once the last pauser resumed."""
+        settings = _settings(tiny_model, root, proxy, run_name="no-such-run")
+        for seed in range(3):
+            chance = random.Random(seed)
+            done = asyncio.Event()
+
+            async def pauser(client: VLLMClient, chance: random.Random = chance, done: asyncio.Event = done) -> None:
+                while not done.is_set():
+                    await client.pause("wait")
+                    await asyncio.sleep(chance.uniform(0, 0.3))
+                    await client.resume()
+                    await asyncio.sleep(chance.uniform(0, 0.3))
+
+            async def doctor(done: asyncio.Event = done) -> list[CheckResult]:
+                try:
+                    return await run_doctor(settings)
+                finally:
+                    done.set()
+
+            async with VLLMClient(proxy.url) as client:
+                results = await asyncio.gather(doctor(), run_doctor(settings), pauser(client))
+                await client.resume()
+            for found in results[:2]:
+                table = render_table(found)
+                assert not [r for r in found if r.status is Status.FAIL], f"seed {seed}\n{table}"
+                assert _by_name(found)["broadcasts"].status in (Status.PASS, Status.WARN), table
+            for replica in shared_replicas:
+                async with VLLMClient(replica.url) as direct:
+                    assert await direct.is_paused() is False, f"seed {seed}: {replica.url} left paused"
 
     async def test_fresh_fleet_skips_run_checks(self, proxy, tiny_model, root):
         results = _by_name(await run_doctor(_settings(tiny_model, root, proxy, run_name="no-such-run")))

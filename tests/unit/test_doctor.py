@@ -33,6 +33,7 @@ from lorafleet_ops.commands.doctor.checks import (
     evaluate,
 )
 from lorafleet_ops.commands.doctor.gather import gather_snapshot, read_ledger_file
+from lorafleet_ops.commands.doctor.model import CHANGING
 from lorafleet_ops.commands.doctor.probe_checks import check_broadcasts, check_probe
 from lorafleet_ops.commands.doctor.runner import TRAINING_RECENT_S
 from lorafleet_ops.commands.doctor.via_proxy import coverage
@@ -568,6 +569,33 @@ def test_broadcasts_never_claims_zero_replicas(settings):
 ])
 def test_keep_pause_elision_is_reported_not_failed(settings, mode, keep_paused, status, needle):
     _one(check_broadcasts(_probe(keep_paused=keep_paused), Snapshot(PROXY, sync_pause=mode)), status, needle)
+
+
+@pytest.mark.parametrize(("fleet_paused", "paused", "resumed", "status", "needle"), [
+    # Another client resumed the fleet between the doctor's pause and its look: running replicas match the proxy.
+    ({"pause": None}, {R1: False, R2: False}, {R1: True, R2: True}, Status.PASS, "load, unload, pause, resume"),
+    # Another client paused it between the doctor's resume and its look: paused replicas match the proxy.
+    ({"resume": "wait"}, {R1: True, R2: True}, {R1: False, R2: False}, Status.PASS, "load, unload, pause, resume"),
+    # ...but a replica that differs from the proxy's own state is a broadcast that missed it, whoever paused.
+    ({"resume": "wait"}, {R1: True, R2: True}, {R1: False, R2: True}, Status.FAIL, f"{R2} runs though another"),
+    ({"pause": None}, {R1: False, R2: True}, {R1: True, R2: True}, Status.FAIL, f"{R2} is paused"),
+    ({"pause": "wait", "resume": None}, {R1: True, R2: False}, {R1: True, R2: True}, Status.FAIL,
+     f"pause did not reach {R2}"),
+    # Other clients changed the fleet at every look: not judged, said so, never a FAIL.
+    ({"pause": CHANGING, "resume": CHANGING}, {R1: False, R2: True}, {R1: False, R2: True}, Status.WARN,
+     "pause and resume not judged"),
+])
+def test_broadcasts_are_judged_against_the_proxys_own_pause_state(fleet_paused, paused, resumed, status, needle):
+    """A trainer's sync or a second doctor may pause or resume the fleet while the doctor looks (issue 56: `make
+    doctor` beside a trainer's start-up doctor reported `resume did not reach` on a healthy fleet)."""
+    report = _probe(fleet_paused=fleet_paused, paused=paused, resumed=resumed)
+    _one(check_broadcasts(report, Snapshot(PROXY, sync_pause="elide")), status, needle)
+
+
+@pytest.mark.parametrize("keep_state", [CHANGING, "wait"])
+def test_the_keep_pause_is_not_judged_while_another_clients_pause_holds_the_fleet(keep_state):
+    report = _probe(fleet_paused={"keep": keep_state}, keep_paused={R1: True, R2: True})
+    _one(check_broadcasts(report, Snapshot(PROXY, sync_pause="elide")), Status.PASS, "keep pause not judged")
 
 
 async def test_unknown_runtime_loading_is_a_warning_not_a_pass(fleet, settings):

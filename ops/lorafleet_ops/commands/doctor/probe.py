@@ -23,7 +23,7 @@ from lorafleet.vllm_api import PauseMode, VLLMClient, VLLMError
 
 from lorafleet_ops.commands.doctor.checks import norm_path
 from lorafleet_ops.commands.doctor.gather import api_client
-from lorafleet_ops.commands.doctor.model import ProbeReport, Snapshot
+from lorafleet_ops.commands.doctor.model import CHANGING, ProbeReport, Snapshot
 from lorafleet_ops.commands.doctor.probe_adapter import base_model_config, publish_probe_adapter
 from lorafleet_ops.commands.doctor.via_proxy import ProxiedReplica, generate_through_proxy
 
@@ -32,6 +32,10 @@ log = logging.getLogger("lorafleet.doctor")
 Replica = VLLMClient | ProxiedReplica  # a replica asked directly, or one only the proxy reaches
 
 PROBE_PROMPT = "the red fox"
+# Looks at the replicas while another client keeps pausing or resuming the fleet, before giving up on one that holds.
+OBSERVE_TRIES = 3
+OBSERVE_PAUSE_S = 0.2
+UNREAD = object()  # the proxy's pause state could not be read
 PROBE_GENERATE_TIMEOUT_S = 120.0
 
 
@@ -188,33 +192,69 @@ async def _probe_unload(report: ProbeReport, clients: dict[str, Replica], proxy:
 
 
 async def _probe_pause(report: ProbeReport, clients: dict[str, Replica], proxy: VLLMClient) -> None:
-    """Pause and resume through the proxy twice, observing every replica after each step.
+    """Pause and resume through the proxy twice, observing every replica, and the proxy's own pause state, after each
+    step.
 
     First in `wait` mode (in-flight requests finish, none is lost), which the proxy always broadcasts;
     then in `keep` mode, the trainer's own sync pause, which under PROXY_SYNC_PAUSE=elide pauses no
-    replica. Whatever happens, no replica is left paused behind the doctor.
+    replica. Another client (a trainer's sync, a second doctor) may pause or resume the fleet meanwhile: the
+    replicas are judged against the proxy's state, and no replica the proxy holds paused is resumed behind its back.
+    A replica left paused while the proxy's fleet is not is resumed directly.
     """
     try:
-        report.pause_error, report.paused = await _pause(proxy, clients, "wait")
-        report.resume_error, resumed = await _resume(proxy, clients)
+        report.pause_error, report.paused = await _pause(report, "pause", proxy, clients, "wait")
+        report.resume_error, resumed = await _resume(report, proxy, clients)
         report.resumed = {url: (not state) if isinstance(state, bool) else state for url, state in resumed.items()}
-        report.keep_error, report.keep_paused = await _pause(proxy, clients, "keep")
-        keep_resume_error, _ = await _resume(proxy, clients)
+        report.keep_error, report.keep_paused = await _pause(report, "keep", proxy, clients, "keep")
+        keep_resume_error, _ = await _resume(report, proxy, clients, "keep_resume")
         report.keep_error = report.keep_error or keep_resume_error
     finally:
-        after = await asyncio.gather(*(_paused(c) for c in clients.values()))
-        for url, state in zip(clients, after, strict=True):
-            if state is not False:  # never leave a replica paused behind the doctor
-                with contextlib.suppress(VLLMError):
-                    await clients[url].resume()
-                log_event(log, "probe_resumed_directly", logging.WARNING, replica=url)
+        if await _fleet_pause(proxy) in (None, UNREAD):  # the fleet runs (or may): no replica may stay paused
+            after = await asyncio.gather(*(_paused(c) for c in clients.values()))
+            for url, state in zip(clients, after, strict=True):
+                if state is not False:  # never leave a replica paused behind the doctor
+                    with contextlib.suppress(VLLMError):
+                        await clients[url].resume()
+                    log_event(log, "probe_resumed_directly", logging.WARNING, replica=url)
 
 
-async def _observe(clients: dict[str, Replica]) -> dict[str, bool | str]:
-    return dict(zip(clients, await asyncio.gather(*(_paused(c) for c in clients.values())), strict=True))
+async def _fleet_pause(proxy: VLLMClient) -> str | object | None:
+    """The proxy's own pause state (GET /fleet "paused": the mode of the pause in effect, or None); UNREAD when the
+    proxy does not say."""
+    try:
+        return (await proxy.request("GET", "/fleet")).json().get("paused", UNREAD)
+    except (VLLMError, ValueError, AttributeError):
+        return UNREAD
 
 
-async def _pause(proxy: VLLMClient, clients: dict[str, Replica],
+async def _observe(report: ProbeReport, step: str, proxy: VLLMClient,
+                   clients: dict[str, Replica]) -> dict[str, bool | str]:
+    """Each replica's is_paused after `step`, read between two reads of the proxy's pause state, which goes into
+    report.fleet_paused[step].
+
+    Up to OBSERVE_TRIES looks: another look when the two reads differ (another client paused or resumed the fleet
+    meanwhile) or when a replica differs from the proxy's state (a broadcast still on its way); a replica that still
+    differs after the last look is what the check judges, and a state that changed at every look is CHANGING."""
+    seen: dict[str, bool | str] = {}
+    steady: object = CHANGING
+    for look in range(OBSERVE_TRIES):
+        if look:
+            await asyncio.sleep(OBSERVE_PAUSE_S)
+        before = await _fleet_pause(proxy)
+        states = dict(zip(clients, await asyncio.gather(*(_paused(c) for c in clients.values())), strict=True))
+        after = await _fleet_pause(proxy)
+        if before != after:
+            seen = seen if steady is not CHANGING else states
+            continue
+        steady, seen = after, states
+        if after is UNREAD or all(state is (after is not None) for state in states.values()):
+            break
+    if steady is not UNREAD:
+        report.fleet_paused[step] = steady  # type: ignore[assignment]
+    return seen
+
+
+async def _pause(report: ProbeReport, step: str, proxy: VLLMClient, clients: dict[str, Replica],
                  mode: PauseMode) -> tuple[str | None, dict[str, bool | str]]:
     """POST /pause?mode=`mode` through the proxy; the error (or None) and each replica's is_paused after it."""
     error = None
@@ -222,13 +262,14 @@ async def _pause(proxy: VLLMClient, clients: dict[str, Replica],
         await proxy.pause(mode)
     except VLLMError as exc:
         error = str(exc)
-    return error, await _observe(clients)
+    return error, await _observe(report, step, proxy, clients)
 
 
-async def _resume(proxy: VLLMClient, clients: dict[str, Replica]) -> tuple[str | None, dict[str, bool | str]]:
+async def _resume(report: ProbeReport, proxy: VLLMClient, clients: dict[str, Replica],
+                  step: str = "resume") -> tuple[str | None, dict[str, bool | str]]:
     error = None
     try:
         await proxy.resume()
     except VLLMError as exc:
         error = str(exc)
-    return error, await _observe(clients)
+    return error, await _observe(report, step, proxy, clients)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lorafleet.settings import StackSettings
 
-from lorafleet_ops.commands.doctor.model import CheckResult, ProbeReport, Snapshot, Status, not_checked
+from lorafleet_ops.commands.doctor.model import CHANGING, CheckResult, ProbeReport, Snapshot, Status, not_checked
 
 
 def check_probe(report: ProbeReport, snapshot: Snapshot, settings: StackSettings) -> CheckResult:
@@ -70,11 +70,23 @@ def check_broadcasts(report: ProbeReport, snapshot: Snapshot) -> CheckResult:
         problems += [f"unload did not reach {url}" for url, ok in report.listed_after_unload.items() if not ok]
     if report.pause_error:
         problems.append(f"pause through the proxy failed: {report.pause_error}")
-    problems += [f"pause did not reach {url} (is_paused: {state})" for url, state in report.paused.items()
-                 if state is not True]
+    unjudged = []
+    expected = _expected_paused(report, "pause", True)
+    if expected is None:
+        unjudged.append("pause")
+    else:
+        problems += [f"pause did not reach {url} (is_paused: {state})" if expected else
+                     f"{url} is paused (is_paused: {state}) though another client resumed the fleet"
+                     for url, state in report.paused.items() if state is not expected]
     if report.resume_error:
         problems.append(f"resume through the proxy failed: {report.resume_error}")
-    problems += [f"resume did not reach {url} ({state})" for url, state in report.resumed.items() if state is not True]
+    expected = _expected_paused(report, "resume", False)
+    if expected is None:
+        unjudged.append("resume")
+    else:  # report.resumed holds `not is_paused`
+        problems += [f"resume did not reach {url} ({state})" if not expected else
+                     f"{url} runs though another client paused the fleet ({state})"
+                     for url, state in report.resumed.items() if state is not (not expected)]
     keep, keep_problem = _keep_pause(report, snapshot)
     if keep_problem:
         problems.append(keep_problem)
@@ -83,12 +95,26 @@ def check_broadcasts(report: ProbeReport, snapshot: Snapshot) -> CheckResult:
                            "the proxy must broadcast to every replica: check its log for that replica (state, "
                            "last_error in GET /fleet); a replica it does not know gets no broadcasts")
     count = len(report.paused)
+    if unjudged:
+        return CheckResult(name, Status.WARN, f"{' and '.join(unjudged)} not judged: other clients paused or "
+                           f"resumed the fleet while the doctor looked (a trainer's sync, another doctor); {keep}",
+                           "run the doctor again when no trainer is starting or syncing")
     if not report.path or report.load_error is not None or report.skipped:
         why = report.skipped or "the probe load failed"
         return CheckResult(name, Status.WARN, f"pause, resume reached all {count} replica(s); {keep}; load and "
                            f"unload were not observed: {why}", "see adapter_root")
     return CheckResult(name, Status.PASS, f"load, unload, pause, resume through the proxy observed on all "
                        f"{count} replica(s); {keep}")
+
+
+def _expected_paused(report: ProbeReport, step: str, own: bool) -> bool | None:
+    """Whether every replica should be paused after `step`: as the proxy's fleet was when the doctor looked (another
+    client may have paused or resumed it since the step), else as the step itself left it (`own`); None when other
+    clients changed it throughout the look (not judged)."""
+    if step not in report.fleet_paused:
+        return own
+    state = report.fleet_paused[step]
+    return None if state == CHANGING else state is not None
 
 
 def _keep_pause(report: ProbeReport, snapshot: Snapshot) -> tuple[str, str]:
@@ -99,6 +125,10 @@ def _keep_pause(report: ProbeReport, snapshot: Snapshot) -> tuple[str, str]:
         return "", "the trainer's keep pause was not observed on any replica"
     paused = [url for url, state in report.keep_paused.items() if state is True]
     mode = snapshot.sync_pause
+    state = report.fleet_paused.get("keep", "keep")
+    if state == CHANGING or state not in ("keep", None) or (state is None and mode == "broadcast"):
+        # Another client's pause held the fleet, or another client resumed it, while the doctor looked.
+        return "the trainer's keep pause not judged: another client paused or resumed the fleet meanwhile", ""
     if not paused:
         if mode == "broadcast":
             return "", "keep pause did not reach any replica although the proxy reports PROXY_SYNC_PAUSE=broadcast"
