@@ -6,24 +6,21 @@ the Trainer to save and stop), or, when the trainer is idle waiting for rollouts
 is abandoned; no optimizer step is in progress, so the weights are exactly those of the last step).
 
 A second SIGTERM/SIGINT exits at once (the rollout child is killed first). TRL's rollout child is a
-spawned process; a terminal's Ctrl-C or a supervisor signalling the whole process group would kill
-it mid-rollout and the parent would die with "Rollout worker child has failed". The child is
-therefore started with SIGINT/SIGTERM blocked: the parent alone decides, and stops it through TRL's
-own stop event.
+process of its own (rollout_server.py); a terminal's Ctrl-C or a supervisor signalling the whole
+process group would kill it mid-rollout and the parent would die with "Rollout worker child has
+failed". The child is therefore started with SIGINT/SIGTERM blocked: the parent alone decides, and
+stops it through TRL's own stop event.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
-from multiprocessing.context import SpawnContext, SpawnProcess
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +32,7 @@ from transformers import TrainerCallback
 
 from lorafleet_trainer import early_stop
 from lorafleet_trainer.early_stop import STOP_SIGNALS
-from lorafleet_trainer.ranks import die_with_parent
+from lorafleet_trainer.rollout_server import ShieldedContext
 from lorafleet_trainer.run_state import checkpoint_complete, prune_checkpoints, prune_versions
 
 log = logging.getLogger(__name__)
@@ -189,36 +186,13 @@ class RunLifecycle(TrainerCallback):
         return check
 
 
-class _ShieldedProcess(SpawnProcess):
-    """A spawned process that starts with SIGINT and SIGTERM blocked (the mask survives exec) and dies with
-    its trainer (a rank killed by its launcher must not leave a rollout child generating against the fleet)."""
-
-    def run(self) -> None:
-        parent = multiprocessing.parent_process()
-        if parent is not None and parent.pid is not None:
-            die_with_parent(parent.pid)
-        super().run()
-
-    def start(self) -> None:
-        resource_tracker.ensure_running()  # starting it inside the block would unblock both signals again
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
-            super().start()
-        finally:  # signals that arrived meanwhile are delivered to the parent now
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-class _ShieldedContext(SpawnContext):
-    Process = _ShieldedProcess
-
-
 def shield_rollout_worker(trainer: Any, lifecycle: RunLifecycle) -> None:
     """Start TRL's rollout child shielded from stop signals; abandon rollout waits when a stop is due;
     kill the child on a forced exit. (TRL 1.16 `AsyncRolloutWorker`: `_mp_ctx`, `_process`, `check_health`.)"""
     worker = getattr(trainer, "rollout_worker", None)
     if worker is None:  # not rank 0
         return
-    worker._mp_ctx = _ShieldedContext()
+    worker._mp_ctx = ShieldedContext()
     if trainer.accelerator.num_processes == 1:  # with several ranks, rank 0 alone must not leave a collective
         worker.check_health = lifecycle.check_health(worker.check_health)
 

@@ -97,6 +97,10 @@ def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_r
 
     `run_key` (read_run_key: TRAINER_RUN_KEY_FILE's content, "" = none) goes on every call to the fleet.
     """
+    if not dry_run and context.rank == 0:  # the environment is final: the task file, the devices
+        from lorafleet_trainer import rollout_server
+
+        rollout_server.start()  # TRL's rollout child's imports, beside this process's own below
     from lorafleet_trainer.attention import UnsupportedAttention, choose_backend
     from lorafleet_trainer.config import build_configs
     from lorafleet_trainer.evaluation import eval_callbacks
