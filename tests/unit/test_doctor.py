@@ -503,8 +503,8 @@ def _probe(**overrides: Any) -> ProbeReport:
     ok = {R1: True, R2: True}
     report = ProbeReport(name="lorafleet-doctor-probe-1a2b3c4d", path="/adapters/runs/run1/.vllm_lora/p",
                          broadcast=True, listed_after_load=dict(ok), generate_error=dict.fromkeys(ok),
-                         listed_after_unload=dict(ok), deleted=True, paused=dict(ok), resumed=dict(ok),
-                         keep_paused=dict.fromkeys(ok, False))
+                         listed_after_unload=dict(ok), deleted=True, paused=dict(ok),
+                         paused_after_resume=dict.fromkeys(ok, False), keep_paused=dict.fromkeys(ok, False))
     for key, value in overrides.items():
         setattr(report, key, value)
     return report
@@ -544,7 +544,8 @@ def test_probe_files_kept_while_a_replica_holds_it(settings):
 
 def test_probe_skipped_when_the_root_is_not_mounted(settings):
     report = ProbeReport(skipped=f"ADAPTER_ROOT {settings.adapter_root} is not a directory here: ...",
-                         broadcast=True, paused={R1: True}, resumed={R1: True}, keep_paused={R1: False})
+                         broadcast=True, paused={R1: True}, paused_after_resume={R1: False},
+                         keep_paused={R1: False})
     _one(check_probe(report, Snapshot(PROXY), settings), Status.SKIP, "not a directory here",
          "docker compose run")
     _one(check_broadcasts(report, Snapshot(PROXY)), Status.WARN, "pause, resume reached all 1",
@@ -571,24 +572,27 @@ def test_keep_pause_elision_is_reported_not_failed(settings, mode, keep_paused, 
     _one(check_broadcasts(_probe(keep_paused=keep_paused), Snapshot(PROXY, sync_pause=mode)), status, needle)
 
 
-@pytest.mark.parametrize(("fleet_paused", "paused", "resumed", "status", "needle"), [
+@pytest.mark.parametrize(("fleet_paused", "paused", "paused_after_resume", "status", "needle"), [
     # Another client resumed the fleet between the doctor's pause and its look: running replicas match the proxy.
-    ({"pause": None}, {R1: False, R2: False}, {R1: True, R2: True}, Status.PASS, "load, unload, pause, resume"),
+    ({"pause": None}, {R1: False, R2: False}, {R1: False, R2: False}, Status.PASS, "load, unload, pause, resume"),
     # Another client paused it between the doctor's resume and its look: paused replicas match the proxy.
-    ({"resume": "wait"}, {R1: True, R2: True}, {R1: False, R2: False}, Status.PASS, "load, unload, pause, resume"),
+    ({"resume": "wait"}, {R1: True, R2: True}, {R1: True, R2: True}, Status.PASS, "load, unload, pause, resume"),
     # ...but a replica that differs from the proxy's own state is a broadcast that missed it, whoever paused.
-    ({"resume": "wait"}, {R1: True, R2: True}, {R1: False, R2: True}, Status.FAIL, f"{R2} runs though another"),
-    ({"pause": None}, {R1: False, R2: True}, {R1: True, R2: True}, Status.FAIL, f"{R2} is paused"),
-    ({"pause": "wait", "resume": None}, {R1: True, R2: False}, {R1: True, R2: True}, Status.FAIL,
+    ({"resume": "wait"}, {R1: True, R2: True}, {R1: True, R2: False}, Status.FAIL,
+     f"{R2} has is_paused: False though another client paused"),
+    ({"pause": None}, {R1: False, R2: True}, {R1: False, R2: False}, Status.FAIL,
+     f"{R2} has is_paused: True though another client resumed"),
+    ({"pause": "wait", "resume": None}, {R1: True, R2: False}, {R1: False, R2: False}, Status.FAIL,
      f"pause did not reach {R2}"),
     # Other clients changed the fleet at every look: not judged, said so, never a FAIL.
-    ({"pause": CHANGING, "resume": CHANGING}, {R1: False, R2: True}, {R1: False, R2: True}, Status.WARN,
+    ({"pause": CHANGING, "resume": CHANGING}, {R1: False, R2: True}, {R1: True, R2: False}, Status.WARN,
      "pause and resume not judged"),
 ])
-def test_broadcasts_are_judged_against_the_proxys_own_pause_state(fleet_paused, paused, resumed, status, needle):
+def test_broadcasts_are_judged_against_the_proxys_own_pause_state(fleet_paused, paused, paused_after_resume, status,
+                                                                  needle):
     """A trainer's sync or a second doctor may pause or resume the fleet while the doctor looks (issue 56: `make
     doctor` beside a trainer's start-up doctor reported `resume did not reach` on a healthy fleet)."""
-    report = _probe(fleet_paused=fleet_paused, paused=paused, resumed=resumed)
+    report = _probe(fleet_paused=fleet_paused, paused=paused, paused_after_resume=paused_after_resume)
     _one(check_broadcasts(report, Snapshot(PROXY, sync_pause="elide")), status, needle)
 
 

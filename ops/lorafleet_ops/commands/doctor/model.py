@@ -106,10 +106,10 @@ class ProbeReport:
     pause_error: str | None = None
     paused: dict[str, bool | str] = field(default_factory=dict)  # url -> is_paused after a wait pause (or error)
     resume_error: str | None = None
-    resumed: dict[str, bool | str] = field(default_factory=dict)  # url -> not is_paused after resume
+    paused_after_resume: dict[str, bool | str] = field(default_factory=dict)  # url -> is_paused after resume
     keep_error: str | None = None  # the trainer's own pause (keep mode), which the proxy may elide
     keep_paused: dict[str, bool | str] = field(default_factory=dict)  # url -> is_paused after the keep pause
-    # step ("pause", "resume", "keep", "keep_resume") -> the proxy's own pause state after it (GET /fleet "paused":
+    # step ("pause", "resume", "keep") -> the proxy's own pause state after it (GET /fleet "paused":
     # the mode in effect or None), read before and after the replicas; CHANGING when another client paused or resumed
     # the fleet throughout; absent when the proxy did not say. Another client's pause or resume between the doctor's
     # step and its look is then the proxy's state, which the replicas must match, not a broadcast that missed them.

@@ -203,10 +203,9 @@ async def _probe_pause(report: ProbeReport, clients: dict[str, Replica], proxy: 
     """
     try:
         report.pause_error, report.paused = await _pause(report, "pause", proxy, clients, "wait")
-        report.resume_error, resumed = await _resume(report, proxy, clients)
-        report.resumed = {url: (not state) if isinstance(state, bool) else state for url, state in resumed.items()}
+        report.resume_error, report.paused_after_resume = await _resume(report, "resume", proxy, clients)
         report.keep_error, report.keep_paused = await _pause(report, "keep", proxy, clients, "keep")
-        keep_resume_error, _ = await _resume(report, proxy, clients, "keep_resume")
+        keep_resume_error, _ = await _resume(report, None, proxy, clients)  # looked at, not judged
         report.keep_error = report.keep_error or keep_resume_error
     finally:
         if await _fleet_pause(proxy) in (None, UNREAD):  # the fleet runs (or may): no replica may stay paused
@@ -227,10 +226,10 @@ async def _fleet_pause(proxy: VLLMClient) -> str | object | None:
         return UNREAD
 
 
-async def _observe(report: ProbeReport, step: str, proxy: VLLMClient,
+async def _observe(report: ProbeReport, step: str | None, proxy: VLLMClient,
                    clients: dict[str, Replica]) -> dict[str, bool | str]:
     """Each replica's is_paused after `step`, read between two reads of the proxy's pause state, which goes into
-    report.fleet_paused[step].
+    report.fleet_paused[step] (a step that is not judged, None, records nothing).
 
     Up to OBSERVE_TRIES looks: another look when the two reads differ (another client paused or resumed the fleet
     meanwhile) or when a replica differs from the proxy's state (a broadcast still on its way); a replica that still
@@ -249,12 +248,12 @@ async def _observe(report: ProbeReport, step: str, proxy: VLLMClient,
         steady, seen = after, states
         if after is UNREAD or all(state is (after is not None) for state in states.values()):
             break
-    if steady is not UNREAD:
+    if step is not None and steady is not UNREAD:
         report.fleet_paused[step] = steady  # type: ignore[assignment]
     return seen
 
 
-async def _pause(report: ProbeReport, step: str, proxy: VLLMClient, clients: dict[str, Replica],
+async def _pause(report: ProbeReport, step: str | None, proxy: VLLMClient, clients: dict[str, Replica],
                  mode: PauseMode) -> tuple[str | None, dict[str, bool | str]]:
     """POST /pause?mode=`mode` through the proxy; the error (or None) and each replica's is_paused after it."""
     error = None
@@ -265,8 +264,9 @@ async def _pause(report: ProbeReport, step: str, proxy: VLLMClient, clients: dic
     return error, await _observe(report, step, proxy, clients)
 
 
-async def _resume(report: ProbeReport, proxy: VLLMClient, clients: dict[str, Replica],
-                  step: str = "resume") -> tuple[str | None, dict[str, bool | str]]:
+async def _resume(report: ProbeReport, step: str | None, proxy: VLLMClient,
+                  clients: dict[str, Replica]) -> tuple[str | None, dict[str, bool | str]]:
+    """POST /resume through the proxy; the error (or None) and each replica's is_paused after it."""
     error = None
     try:
         await proxy.resume()

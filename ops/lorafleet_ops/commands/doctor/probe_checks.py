@@ -68,25 +68,16 @@ def check_broadcasts(report: ProbeReport, snapshot: Snapshot) -> CheckResult:
         if report.unload_error:
             problems.append(f"unload through the proxy failed: {report.unload_error}")
         problems += [f"unload did not reach {url}" for url, ok in report.listed_after_unload.items() if not ok]
-    if report.pause_error:
-        problems.append(f"pause through the proxy failed: {report.pause_error}")
     unjudged = []
-    expected = _expected_paused(report, "pause", True)
-    if expected is None:
-        unjudged.append("pause")
-    else:
-        problems += [f"pause did not reach {url} (is_paused: {state})" if expected else
-                     f"{url} is paused (is_paused: {state}) though another client resumed the fleet"
-                     for url, state in report.paused.items() if state is not expected]
-    if report.resume_error:
-        problems.append(f"resume through the proxy failed: {report.resume_error}")
-    expected = _expected_paused(report, "resume", False)
-    if expected is None:
-        unjudged.append("resume")
-    else:  # report.resumed holds `not is_paused`
-        problems += [f"resume did not reach {url} ({state})" if not expected else
-                     f"{url} runs though another client paused the fleet ({state})"
-                     for url, state in report.resumed.items() if state is not (not expected)]
+    for step, own, error, is_paused in (("pause", True, report.pause_error, report.paused),
+                                         ("resume", False, report.resume_error, report.paused_after_resume)):
+        if error:
+            problems.append(f"{step} through the proxy failed: {error}")
+        step_problems = _step_problems(report, step, own, is_paused)
+        if step_problems is None:
+            unjudged.append(step)
+        else:
+            problems += step_problems
     keep, keep_problem = _keep_pause(report, snapshot)
     if keep_problem:
         problems.append(keep_problem)
@@ -105,6 +96,18 @@ def check_broadcasts(report: ProbeReport, snapshot: Snapshot) -> CheckResult:
                            f"unload were not observed: {why}", "see adapter_root")
     return CheckResult(name, Status.PASS, f"load, unload, pause, resume through the proxy observed on all "
                        f"{count} replica(s); {keep}")
+
+
+def _step_problems(report: ProbeReport, step: str, own: bool, is_paused: dict[str, bool | str]) -> list[str] | None:
+    """The replicas whose is_paused after the doctor's `step` (which pauses the fleet: `own`) is not what
+    `_expected_paused` says; None when not judged."""
+    expected = _expected_paused(report, step, own)
+    if expected is None:
+        return None
+    other = "resumed" if own else "paused"
+    return [f"{step} did not reach {url} (is_paused: {state})" if expected is own else
+            f"{url} has is_paused: {state} though another client {other} the fleet"
+            for url, state in is_paused.items() if state is not expected]
 
 
 def _expected_paused(report: ProbeReport, step: str, own: bool) -> bool | None:
