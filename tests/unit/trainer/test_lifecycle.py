@@ -1,11 +1,11 @@
-"""Stop decisions (signals, per-start ceilings, free space), the shielded rollout child, the start-time refusal."""
+"""Stop decisions (signals, per-start ceilings, free space), the start-time refusal (the shielded rollout child:
+test_rollout_server.py)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +15,6 @@ from lorafleet.logs import LogfmtFormatter
 from lorafleet_trainer import early_stop
 from lorafleet_trainer import lifecycle as lc
 from lorafleet_trainer.lifecycle import GB, Limits, RunLifecycle, StoppedWhileWaiting
-from lorafleet_trainer.rollout_server import ShieldedContext
 
 ARGS = SimpleNamespace(save_steps=50)
 
@@ -128,24 +127,6 @@ def test_agreement_across_ranks_stops_every_rank():
     life.agree = lambda flag: True  # another rank was signalled
     assert _step_end(life, 4).should_training_stop
     assert life.reason == lc.OTHER_RANK
-
-
-def test_the_rollout_child_starts_with_stop_signals_blocked():
-    process = ShieldedContext().Process(target=time.sleep, args=(60,), daemon=True)
-    process.start()
-    try:
-        status = Path(f"/proc/{process.pid}/status").read_text()
-        blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
-        assert blocked & (1 << (signal.SIGINT - 1)) and blocked & (1 << (signal.SIGTERM - 1))
-        os.kill(process.pid, signal.SIGTERM)
-        os.kill(process.pid, signal.SIGINT)
-        process.join(timeout=0.5)
-        assert process.is_alive()
-        parent = Path("/proc/self/status").read_text()
-        assert "SigBlk:\t0000000000000000" in parent  # the parent's mask is restored
-    finally:
-        process.kill()
-        process.join(timeout=10)
 
 
 def test_the_trainer_refuses_to_start_on_a_full_volume(tmp_path, monkeypatch):

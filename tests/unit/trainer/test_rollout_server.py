@@ -1,6 +1,9 @@
-"""The fork server TRL's rollout child comes from: the child's imports done in it, and nothing outliving its trainer.
+"""The fork server TRL's rollout child comes from: the child's imports done in it, stop signals blocked in the child,
+and nothing outliving its trainer.
 
-A stand-in trainer (a real Python process) starts the server and a child from it; the test reads /proc and kills.
+One stand-in trainer (a real Python process) starts the server and a child from it, as `train()` and TRL do; the
+tests read /proc, signal and kill. The server imports torch, transformers and TRL: one start serves the module, and
+the kill comes last.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(300)  # the server imports torch, transformers and TRL: slow on a loaded box
+pytestmark = pytest.mark.timeout(300)  # the server's imports are slow on a loaded box
 
 TRAINER = textwrap.dedent("""
     import time
@@ -38,8 +42,16 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture
-def trainer():
+def blocked(pid: int) -> set[signal.Signals]:
+    """The stop signals `pid` has blocked."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+    return {sig for sig in (signal.SIGINT, signal.SIGTERM) if mask & (1 << (sig - 1))}
+
+
+@pytest.fixture(scope="module")
+def trainer() -> Iterator[tuple[subprocess.Popen[str], int, int]]:
+    """(the stand-in trainer, its fork server's pid, its rollout child's pid)."""
     process = subprocess.Popen([sys.executable, "-c", TRAINER], stdout=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
@@ -53,9 +65,18 @@ def trainer():
 def test_the_server_has_the_childs_modules_before_any_child_asks(trainer):
     _, server, child = trainer
     for pid in (server, child):
-        maps = Path(f"/proc/{pid}/maps").read_text()
-        assert "libtorch_cpu" in maps, f"pid {pid} has not imported torch"
-    assert Path(f"/proc/{child}/status").read_text().count("PPid:\t" + str(server)) == 1  # forked from the server
+        assert "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text(), f"pid {pid} has not imported torch"
+    assert f"PPid:\t{server}\n" in Path(f"/proc/{child}/status").read_text()  # forked from the server
+
+
+def test_the_child_ignores_stop_signals_and_the_trainer_keeps_its_own(trainer):
+    process, server, child = trainer
+    assert blocked(server) == blocked(child) == {signal.SIGINT, signal.SIGTERM}
+    assert not blocked(process.pid)  # the trainer's mask is restored once the server started
+    os.kill(child, signal.SIGTERM)
+    os.kill(child, signal.SIGINT)
+    time.sleep(0.5)
+    assert alive(child)
 
 
 def test_the_server_and_the_child_die_with_a_killed_trainer(trainer):
