@@ -16,6 +16,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import FullyShardedDataParallelPlugin, load_fsdp_model, save_fsdp_model
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from lorafleet_trainer.ranks import leave_process_group
 from lorafleet_trainer.run_state import export_final_adapter
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
@@ -61,6 +62,7 @@ def main() -> None:
         load_fsdp_model(plugin, accelerator, model, str(checkpoint))
         result["loaded_equal"] = torch.equal(lora_b.full_tensor(), torch.load(checkpoint / "lora_b.pt"))
     (results / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
+    leave_process_group()  # as a trainer rank does: exiting with a live gloo group can abort (ranks.py)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from lorafleet_trainer.ranks import (
     RankContext,
     RankPlan,
     die_with_parent,
+    leave_process_group,
     pin_cpu_device,
     plan_for,
     select_gpus,
@@ -382,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         pin_cpu_device(plan, os.environ)
         if plan.launched and not context.launched and not args.dry_run:
             return Launcher(plan, sys.argv[1:] if argv is None else argv).run()
-        return train(settings, plan, context, dry_run=args.dry_run, run_key=run_key)
+        code = train(settings, plan, context, dry_run=args.dry_run, run_key=run_key)
+        leave_process_group()  # a normal return only: a crash ends at once (entry), its group as it is
+        return code
     except ConfigError as exc:
         log_event(log, "config_error", logging.ERROR, reason=str(exc))
         return EXIT_CONFIG

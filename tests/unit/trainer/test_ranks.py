@@ -172,22 +172,22 @@ while True:  # "hang" and "stop-on-signal": wait, as in a collective
 """
 
 
-def stand_in(out: Path, behaviours: list[str]):
-    """A `spawn` that starts RANK_PROGRAM with the launcher's rank environment instead of the trainer."""
+def stand_in(out: Path, behaviours: list[str], program: str = RANK_PROGRAM):
+    """A `spawn` that starts `program` with the launcher's rank environment instead of the trainer."""
 
     def spawn(argv: list[str], env: dict[str, str], **kwargs: Any) -> subprocess.Popen[bytes]:
         assert argv[1:3] == ["-m", "lorafleet_trainer.main"]
         extra = {"OUT": str(out), **{f"BEHAVIOUR_{i}": b for i, b in enumerate(behaviours)}}
-        return subprocess.Popen([sys.executable, "-c", textwrap.dedent(RANK_PROGRAM), *argv[3:]],
+        return subprocess.Popen([sys.executable, "-c", textwrap.dedent(program), *argv[3:]],
                                 env={**env, **extra}, **kwargs)
 
     return spawn
 
 
-def launcher(tmp_path: Path, behaviours: list[str]) -> Launcher:
+def launcher(tmp_path: Path, behaviours: list[str], program: str = RANK_PROGRAM) -> Launcher:
     plan = RankPlan(len(behaviours), "cpu", "fsdp2")
     return Launcher(plan, ["--max-steps", "3"], environ=dict(os.environ), poll_s=0.05,
-                    spawn=stand_in(tmp_path, behaviours))
+                    spawn=stand_in(tmp_path, behaviours, program))
 
 
 def wait_started(tmp_path: Path, ranks: int) -> None:
@@ -307,3 +307,36 @@ def test_run_relays_a_real_signal_to_every_rank(tmp_path):
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     assert all((tmp_path / f"rank{i}.signals").read_text() == "SIGTERM\n" for i in range(2))
+
+
+GLOO_RANK_PROGRAM = """
+import os, sys
+import torch, torch.distributed as dist
+from lorafleet_trainer import main as trainer_main
+
+def train(*args, **kwargs):  # the trainer's collectives, as its last adapter gather does, then a normal return
+    dist.init_process_group("gloo")
+    tensor = torch.ones(1000)
+    for _ in range(20):
+        dist.all_reduce(tensor)
+        dist.all_gather([torch.empty(1000) for _ in range(dist.get_world_size())], tensor)
+    return 0
+
+trainer_main.train = train
+code = trainer_main.main(sys.argv[1:])
+with open(os.environ["OUT"] + "/rank" + os.environ["RANK"] + ".after", "w") as f:
+    f.write(str(dist.is_initialized()))
+sys.exit(code)
+"""
+
+
+def test_a_rank_that_trained_leaves_its_process_group_and_exits_0(tmp_path, monkeypatch):
+    """Three real gloo ranks through the real `main`: each leaves its group before the interpreter's shutdown,
+    where gloo aborts a process that still holds one (SIGABRT, exit 134: a finished run read as a failed rank)."""
+    for key, value in {"ADAPTER_ROOT": str(tmp_path), "TRAINER_REPLICAS": "1", "LORAFLEET_ENV_FILE": "",
+                       "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    run = launcher(tmp_path, ["gloo"] * 3, GLOO_RANK_PROGRAM)
+    run.start()
+    assert run.supervise() == 0, [rank.returncode for rank in run.ranks]
+    assert [(tmp_path / f"rank{i}.after").read_text() for i in range(3)] == ["False"] * 3
