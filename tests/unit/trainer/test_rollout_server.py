@@ -1,13 +1,14 @@
 """The fork server TRL's rollout child comes from: the child's imports done in it, stop signals blocked in the child,
 and nothing outliving its trainer.
 
-One stand-in trainer (a real Python process) starts the server and a child from it, as `train()` and TRL do; the
-tests read /proc, signal and kill. The server imports torch, transformers and TRL: one start serves the module, and
-the kill comes last.
+A stand-in trainer (a real Python process) starts the server and a child from it, as `train()` and TRL do; the
+tests read /proc, signal and kill. The server imports torch, transformers and TRL, so one start serves the module
+until a test kills it; the next test then gets a new one, in whatever order the tests run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -49,17 +50,41 @@ def blocked(pid: int) -> set[signal.Signals]:
     return {sig for sig in (signal.SIGINT, signal.SIGTERM) if mask & (1 << (sig - 1))}
 
 
+class StandInTrainers:
+    """The module's stand-in trainers: the running one serves every test, a killed one is replaced."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[subprocess.Popen[str], int, int]] = []
+
+    def running(self) -> tuple[subprocess.Popen[str], int, int]:
+        """(a running stand-in trainer, its fork server's pid, its rollout child's pid)."""
+        if not self.started or self.started[-1][0].poll() is not None:
+            process = subprocess.Popen([sys.executable, "-c", TRAINER], stdout=subprocess.PIPE, text=True,
+                                       start_new_session=True)
+            server, child = (int(pid) for pid in process.stdout.readline().split())
+            self.started.append((process, server, child))
+        return self.started[-1]
+
+    def kill_all(self) -> None:
+        for process, _, _ in self.started:
+            with contextlib.suppress(ProcessLookupError):  # a killed trainer's group may be gone already
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
 @pytest.fixture(scope="module")
-def trainer() -> Iterator[tuple[subprocess.Popen[str], int, int]]:
-    """(the stand-in trainer, its fork server's pid, its rollout child's pid)."""
-    process = subprocess.Popen([sys.executable, "-c", TRAINER], stdout=subprocess.PIPE, text=True,
-                               start_new_session=True)
+def trainers() -> Iterator[StandInTrainers]:
+    started = StandInTrainers()
     try:
-        server, child = (int(pid) for pid in process.stdout.readline().split())
-        yield process, server, child
+        yield started
     finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        started.kill_all()
+
+
+@pytest.fixture
+def trainer(trainers: StandInTrainers) -> tuple[subprocess.Popen[str], int, int]:
+    """(a running stand-in trainer, its fork server's pid, its rollout child's pid)."""
+    return trainers.running()
 
 
 def test_the_server_has_the_childs_modules_before_any_child_asks(trainer):
