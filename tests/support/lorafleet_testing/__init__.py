@@ -7,6 +7,7 @@
 - `stack_plan`, `stack_driver`: what the Compose stack test (tests/stack) runs and how it drives the stack,
   also proven without an engine by tests/compose;
 - `compose_helpers`: the static compose/Dockerfile checks' parsers (tests/compose, tests/kubernetes);
+- `pids`: whether a process still runs (a zombie does not);
 - `traffic`: light completion traffic in a thread (the stack test's evaluation traffic, bench/replica_cpu_bench.py);
 - `trainers`: waiting for a real `lorafleet-train` the integration tests started;
 - `waiting`: `until`, polling for a condition the system reaches by itself.

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from lorafleet.settings import ConfigError, StackSettings
+from lorafleet_testing.pids import running
 from lorafleet_trainer import early_stop
 from lorafleet_trainer.config import build_configs, sharding_args
 from lorafleet_trainer.main import resolve_settings
@@ -267,16 +268,9 @@ def test_a_rank_dies_with_its_launcher(tmp_path):
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{child}").exists() and "Z" not in _state(child):
+    while running(child):
         assert time.monotonic() < deadline, "the rank outlived its launcher"
         time.sleep(0.05)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
-    except FileNotFoundError:
-        return "Z"
 
 
 def test_a_stop_held_while_the_launcher_started_starts_no_rank(tmp_path):

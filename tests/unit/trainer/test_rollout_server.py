@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from lorafleet_testing.pids import running
 
 pytestmark = pytest.mark.timeout(300)  # the server's imports are slow on a loaded box
 
@@ -36,13 +37,6 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def blocked(pid: int) -> set[signal.Signals]:
     """The stop signals `pid` has blocked."""
     status = Path(f"/proc/{pid}/status").read_text()
@@ -56,7 +50,7 @@ class StandInTrainers:
     def __init__(self) -> None:
         self.started: list[tuple[subprocess.Popen[str], int, int]] = []
 
-    def running(self) -> tuple[subprocess.Popen[str], int, int]:
+    def current(self) -> tuple[subprocess.Popen[str], int, int]:
         """(a running stand-in trainer, its fork server's pid, its rollout child's pid)."""
         if not self.started or self.started[-1][0].poll() is not None:
             process = subprocess.Popen([sys.executable, "-c", TRAINER], stdout=subprocess.PIPE, text=True,
@@ -84,7 +78,7 @@ def trainers() -> Iterator[StandInTrainers]:
 @pytest.fixture
 def trainer(trainers: StandInTrainers) -> tuple[subprocess.Popen[str], int, int]:
     """(a running stand-in trainer, its fork server's pid, its rollout child's pid)."""
-    return trainers.running()
+    return trainers.current()
 
 
 def test_the_server_has_the_childs_modules_before_any_child_asks(trainer):
@@ -101,16 +95,16 @@ def test_the_child_ignores_stop_signals_and_the_trainer_keeps_its_own(trainer):
     os.kill(child, signal.SIGTERM)
     os.kill(child, signal.SIGINT)
     time.sleep(0.5)
-    assert alive(child)
+    assert running(child)
 
 
 def test_the_server_and_the_child_die_with_a_killed_trainer(trainer):
     process, server, child = trainer
-    assert alive(server) and alive(child)
+    assert running(server) and running(child)
     os.kill(process.pid, signal.SIGKILL)  # the trainer alone, not its group: the kernel must end the rest
     process.wait()
     deadline = time.monotonic() + 240
-    while (alive(server) or alive(child)) and time.monotonic() < deadline:
+    while (running(server) or running(child)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not alive(server), "the fork server outlived its trainer"
-    assert not alive(child), "the rollout child outlived its trainer"
+    assert not running(server), "the fork server outlived its trainer"
+    assert not running(child), "the rollout child outlived its trainer"
