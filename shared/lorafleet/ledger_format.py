@@ -5,11 +5,14 @@
     {"version": 4, "paused": null | "abort" | "wait" | "keep",
      "runs": {"b": {"max_staleness": 4, "weight": 1.0, "paused": null | "abort" | "wait" | "keep"}, ...},
      "adapters": [{"name": "b--trl-policy-v7", "run": "b", "path": "<store>/<hex>", "fingerprint": "sha256:<hex>",
-                   "source": "/adapters/runs/b/.vllm_lora/trl-policy-v7"}, ...]}
+                   "source": "/adapters/runs/b/.vllm_lora/trl-policy-v7",
+                   "attested": {"vllm 0.31.0 torch.float32/torch.float32": {"weights": "sha256:<hex>",
+                                                                            "slot": "sha256:<hex>"}}}, ...]}
 
 Each entry maps a name to one content: `fingerprint` identifies it (see `fingerprint`) and `path` is its folder in the
 proxy's content store (PROXY_CONTENT_STORE, default `<ADAPTER_ROOT>/.content`), named by the fingerprint's hex, which
-is what the replicas load; `source` is the folder it was copied from when it was published ("" when the ledger was
+is what the replicas load; `attested` (optional) holds the engine's digests of it per replica group, the first
+replica's to attest; `source` is the folder it was copied from when it was published ("" when the ledger was
 rebuilt from the replicas' lists). `runs` are the registered
 runs (their slot reservation, fair-share weight and run-scoped pause, which the proxy holds itself); every adapter
 entry names its run, and its fleet-unique name is the run's qualified name (`<run>--<name>`, see `lorafleet.runs`).
@@ -69,6 +72,13 @@ class Entry:
     fingerprint: str = ""
     run: str = DEFAULT_RUN
     source: str = ""
+    # The engine's digests of this content, per replica group (vLLM version and dtype): (group, weights, slot
+    # weights), the first attesting replica's (docs/concepts/provenance.md#attestation-what-the-engine-holds).
+    attested: tuple[tuple[str, str, str], ...] = ()
+
+    def reference(self, group: str) -> tuple[str, str] | None:
+        """(weights, slot weights) attested for this content by `group`'s first replica ("": not seen yet)."""
+        return next(((weights, slot) for known, weights, slot in self.attested if known == group), None)
 
 
 @dataclass(frozen=True)
@@ -205,12 +215,22 @@ def parse(text: str | bytes, adapter_root: Path, content_store: Path | None = No
             else:
                 source = str(item.get("source", ""))
                 entry = Entry(_store_path(item.get("path"), digest, store), digest, run,
-                              source and check_run_folder(source, run, adapter_root))
+                              source and check_run_folder(source, run, adapter_root), _attested(item))
         except (AdapterNameError, AdapterPathError) as exc:
             state.dropped.append(f"{item!r}: {exc}")
             continue
         state.adapters[name] = entry
     return state
+
+
+def _attested(item: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    """An entry's optional `attested` object ({group: {"weights", "slot"}}); anything else in it is dropped, as a
+    missing reference is only attested again."""
+    attested = item.get("attested", {})
+    if not isinstance(attested, dict):
+        return ()
+    return tuple((group, str(value.get("weights", "")), str(value.get("slot", "")))
+                 for group, value in attested.items() if isinstance(value, dict))
 
 
 def _store_path(path: object, digest: str, store: Path) -> str:
@@ -258,10 +278,13 @@ def read(path: Path, adapter_root: Path, content_store: Path | None = None) -> L
     return parse(text, adapter_root, content_store)
 
 
-def entries_json(state: LedgerState) -> list[dict[str, str]]:
-    """The adapter entries as the file (and the proxy's GET /fleet) write them."""
+def entries_json(state: LedgerState) -> list[dict[str, Any]]:
+    """The adapter entries as the file (and the proxy's GET /fleet) write them (`attested` only once known: older
+    readers see the file they know)."""
     return [{"name": name, "run": entry.run, "path": entry.path, "fingerprint": entry.fingerprint,
-             "source": entry.source} for name, entry in state.adapters.items()]
+             "source": entry.source,
+             **({"attested": {group: {"weights": weights, "slot": slot} for group, weights, slot in entry.attested}}
+                if entry.attested else {})} for name, entry in state.adapters.items()]
 
 
 def serialize(state: LedgerState) -> bytes:

@@ -22,6 +22,10 @@ PROXY_UPSTREAM_HEADER = "X-Proxy-Upstream"
 # adapter the fingerprint of the content the answering replica loaded under that name. The trainer reads both.
 PROXY_ADAPTER_HEADER = "X-Lorafleet-Adapter"
 PROXY_FINGERPRINT_HEADER = "X-Lorafleet-Fingerprint"
+# Also on a generation answer, once the answering replica's engine attested the adapter (lorafleet.engine_identity):
+# the digest of the weights it held under that name at its last attestation, and that attestation's age in seconds.
+PROXY_ATTESTED_HEADER = "X-Lorafleet-Attested"
+PROXY_ATTESTED_AGE_HEADER = "X-Lorafleet-Attested-Age"
 
 
 class VLLMError(Exception):

@@ -68,6 +68,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                     min(settings.run_lease_s / 4, settings.proxy_health_interval_s))
     if settings.proxy_canary_interval_s > 0:
         fleet.supervise("canary", fleet.canary_round, settings.proxy_canary_interval_s)
+    if settings.proxy_attest_interval_s > 0:
+        fleet.supervise("attestation", fleet.attestation_round, settings.proxy_attest_interval_s)
     try:
         yield
     finally:

@@ -162,6 +162,10 @@ async def _load(fleet: Fleet, targets: list[Replica], name: str, entry: Entry,
         refusal = await _canary_gate(fleet, name, entry, [r for r in targets if r.state is State.READY], deadline)
         if refusal is not None:
             return refusal
+    attested = await _attestation_gate(fleet, name, entry, [r for r in targets if r.state is State.READY])
+    if not isinstance(attested, Entry):
+        return attested
+    entry = attested
     if (exc := fleet.record_load(name, entry, planned.runs)) is not None:
         await _unload_from(fleet, name, loaded, "rollback after a failed ledger write")
         return ledger_failed(exc, f"the load of {name!r} was rolled back on {len(loaded)} replica(s)")
@@ -189,6 +193,22 @@ async def _canary_gate(fleet: Fleet, name: str, entry: Entry, holders: list[Repl
     for replica in odd:
         fleet.quarantine(replica, name, why)
     return None if fleet.ready() else no_ready_replica(fleet)
+
+
+async def _attestation_gate(fleet: Fleet, name: str, entry: Entry, holders: list[Replica]) -> Entry | Response:
+    """The load answers only after the replicas' engines attested it (attestation.py): the entry gains its reference;
+    a replica that disagrees is distrusted; when none agrees (vLLM applying fewer of its modules than its files name,
+    vllm#34186) the load is rolled back."""
+    entry, odd = await fleet.attest_load(name, entry, holders)
+    if odd and len(odd) == len(holders):
+        await _unload_from(fleet, name, holders, "rollback: no replica's engine attests it")
+        why = "; ".join(sorted(set(odd.values())))
+        applied = all("projections its files name" in reason for reason in odd.values())
+        return error(400 if applied else 502, f"attestation: {why}; the load was rolled back",
+                     "InvalidUserInput" if applied else "AttestationDisagreement", "lora_path" if applied else None)
+    for replica, why in odd.items():
+        fleet.distrust(replica, [name], f"attestation: {why}")
+    return entry
 
 
 async def _reload(replica: Replica, name: str, path: str, deadline: float) -> str:

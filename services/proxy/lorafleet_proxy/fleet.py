@@ -29,6 +29,7 @@ from lorafleet.settings import ProxySettings
 from lorafleet.vllm_api import VLLMClient
 
 from .admission import Admission
+from .attestation import AttestationWatch
 from .breaker import CircuitBreaker
 from .canary import Key
 from .canary_watch import CanaryWatch
@@ -66,6 +67,7 @@ class Fleet:
         self._health = HealthChecks(self, settings, ledger, self.metrics, self._admission)
         self._breaker = CircuitBreaker(self, settings, self.metrics)
         self._canary = CanaryWatch(self, settings, ledger, self.metrics)
+        self._attestation = AttestationWatch(self, self.metrics)
         # Told (url, why) when a replica is ejected: the front gives up its requests in flight (Upstreams.abandon).
         self.on_eject: list[Callable[[str, str], None]] = []
 
@@ -137,6 +139,16 @@ class Fleet:
         state.adapters.pop(name, None)
         state.adapters[name] = entry
         return None if state.same_as(self.ledger.state()) else self.commit(state)
+
+    def record_references(self, entries: dict[str, Entry]) -> LedgerWriteError | None:
+        """Attestation references for entries the ledger still holds at the same path (nothing written when none)."""
+        state = self.ledger.state()
+        changed = {name: entry for name, entry in entries.items()
+                   if (known := state.adapters.get(name)) is not None and known.path == entry.path and known != entry}
+        if not changed:
+            return None
+        state.adapters.update(changed)  # known names: their place in load order stays
+        return self.commit(state)
 
     def record_unload(self, name: str) -> LedgerWriteError | None:
         """The ledger no longer holds `name` (nothing is written when it did not)."""
@@ -310,6 +322,15 @@ class Fleet:
         log.error("replica quarantined by the canary url=%s subject=%s: %s", replica.url, subject or "base", reason)
         self.resync(replica, f"canary: {reason}")
 
+    def distrust(self, replica: Replica, subjects: list[str], reason: str) -> None:
+        """The replica's engine attested other weights than the ledger's (attestation.py): out of routing now,
+        re-synced with `subjects` reloaded, ready again only once it attests correctly."""
+        if replica.state is not State.READY and replica.state is not State.SYNCING:
+            return
+        replica.suspect.update(subject for subject in subjects if subject)
+        log.error("replica distrusted by attestation url=%s subjects=%s: %s", replica.url, subjects, reason)
+        self.resync(replica, reason)
+
     async def ratio_report(self, replica: Replica, subject: str, evidence: str) -> str:
         """A trainer's importance ratio says `replica` decodes `subject` with other weights than its peers: a canary
         disagreement. Out of routing and re-synced ("quarantined") while another ready replica serves the subject;
@@ -355,8 +376,17 @@ class Fleet:
         return await self._canary.judge(subject, replicas, key)
 
     async def verify(self, replica: Replica) -> None:
-        """The canary's check at the end of a catch-up; raises CanaryDisagreement (canary_watch.py)."""
+        """The checks at the end of a catch-up: attestation (raises AttestationDisagreement, attestation.py), then
+        the canary's (raises CanaryDisagreement, canary_watch.py)."""
+        await self._attestation.check(replica)
         await self._canary.verify(replica)
+
+    async def attest_load(self, name: str, entry: Entry, holders: list[Replica]) -> tuple[Entry, dict[Replica, str]]:
+        """Attestation right after a load: (the entry with its references, the disagreeing replicas and why)."""
+        return await self._attestation.at_load(name, entry, holders)
+
+    async def attestation_round(self) -> None:
+        await self._attestation.round()
 
     def canary_subjects(self) -> list[str]:
         return self._canary.subjects()

@@ -21,7 +21,13 @@ from typing import Any
 
 import orjson
 from lorafleet.runs import RunNameError
-from lorafleet.vllm_api import PROXY_ADAPTER_HEADER, PROXY_FINGERPRINT_HEADER, PROXY_UPSTREAM_HEADER
+from lorafleet.vllm_api import (
+    PROXY_ADAPTER_HEADER,
+    PROXY_ATTESTED_AGE_HEADER,
+    PROXY_ATTESTED_HEADER,
+    PROXY_FINGERPRINT_HEADER,
+    PROXY_UPSTREAM_HEADER,
+)
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -46,6 +52,8 @@ UPSTREAM_HEADER = PROXY_UPSTREAM_HEADER.lower().encode()  # which replica answer
 ADAPTER_HEADER = PROXY_ADAPTER_HEADER.lower().encode()
 RUN_HEADER = b"x-lorafleet-run"
 FINGERPRINT_HEADER = PROXY_FINGERPRINT_HEADER.lower().encode()
+ATTESTED_HEADER = PROXY_ATTESTED_HEADER.lower().encode()
+ATTESTED_AGE_HEADER = PROXY_ATTESTED_AGE_HEADER.lower().encode()
 
 
 class StreamBroken(Exception):
@@ -281,6 +289,10 @@ class Front:
         provenance = [(ADAPTER_HEADER, subject.encode()), (RUN_HEADER, request.run.encode())]
         if subject and (loaded := replica.held.get(subject)) is not None and loaded.fingerprint:
             provenance.append((FINGERPRINT_HEADER, loaded.fingerprint.encode()))
+        seen = replica.attestation
+        if subject and seen.at is not None and (attested := seen.digests.get(subject)) is not None:
+            provenance += [(ATTESTED_HEADER, attested.encode()),
+                           (ATTESTED_AGE_HEADER, f"{time.monotonic() - seen.at:.1f}".encode())]
         try:
             failed = await self._exchange(request, replica, held, provenance)
         except StreamBroken as exc:

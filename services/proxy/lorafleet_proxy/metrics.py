@@ -102,6 +102,11 @@ class Metrics:
                                              "answer (no vote).", registry=r)
         self.canary_disagreements = Counter("lorafleet_proxy_canary_disagreements", "Replicas taken out of routing "
                                             "because their canary answer departed from the others'.", registry=r)
+        self.attestations = Counter("lorafleet_proxy_attestations", "Replica attestation reports judged, by outcome "
+                                    "(attested, disagrees).", ["outcome"], registry=r)
+        self.attestation_disagreements = Counter("lorafleet_proxy_attestation_disagreements", "Replicas taken out of "
+                                                 "routing because their engine attested other LoRA weights than the "
+                                                 "ledger's reference.", registry=r)
         self.canary_undecided = Counter("lorafleet_proxy_canary_undecided", "Canary rounds where replicas disagreed "
                                         "and neither a majority nor a reference could tell which is right.", registry=r)
         self.canary_distance = Histogram(

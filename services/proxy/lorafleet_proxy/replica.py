@@ -12,6 +12,7 @@ Two views of its adapters, kept apart on purpose:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -30,6 +31,25 @@ SERVER_INFO_KEPT = ("vllm_config", "vllm_env")
 # How a replica failed a check or a routed call: refused (or reset: it died), timed out (it may only be busy), a bad
 # status, a malformed answer. Each counts differently toward ejection (health.py).
 Failure = Literal["refused", "timeout", "status", "malformed"]
+
+
+@dataclass(frozen=True)
+class Attestation:
+    """What the replica's engine last attested (attestation.py): `state` is "unknown" (not asked yet), "attested",
+    "disagrees" or "unattested" (it cannot attest); `digests` are the registered weights' digests per adapter name it
+    held at `at` (monotonic); `trusted_at` is the wall time of its last report that agreed with the ledger (answers it
+    gave after that, up to a disagreement, are flagged)."""
+
+    state: str = "unknown"
+    failure: str | None = None
+    digests: dict[str, str] = field(default_factory=dict)
+    at: float | None = None
+    trusted_at: float | None = None
+
+    def as_json(self) -> dict[str, object]:
+        age = None if self.at is None else round(time.monotonic() - self.at, 1)
+        return {"state": self.state, "failure": self.failure, "age_s": age, "trusted_at": self.trusted_at,
+                "adapters": len(self.digests)}
 
 
 class State(StrEnum):
@@ -70,6 +90,7 @@ class Replica:
     served: dict[str, int] = field(default_factory=dict)  # generation answers per adapter (provenance)
     outcomes: deque[bool] = field(default_factory=deque, repr=False)  # the breaker's window: True = failed
     failing: int = 0  # routed generations failed in a row
+    attestation: Attestation = field(default_factory=Attestation)  # what its engine last attested
 
     @property
     def load(self) -> int:
@@ -95,5 +116,6 @@ class Replica:
         return {"url": self.url, "state": self.state.value, "inflight": self.inflight, "routed": self.routed,
                 "adapters": dict(self.adapters), "last_error": self.last_error, "generates": self.generates,
                 "canary": {"agrees": self.canary_failure is None, "failure": self.canary_failure},
+                "attestation": self.attestation.as_json(),
                 "served": dict(self.served), "server_info": info,
                 "vllm_version": self.vllm.version if self.vllm is not None else None}

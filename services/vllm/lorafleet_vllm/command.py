@@ -19,6 +19,7 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from lorafleet.engine_identity import EXTENSION_CLASS
 from lorafleet.settings import ReplicaSettings
 
 # lorafleet's own settings that share vLLM's VLLM_ prefix. They are removed from the environment
@@ -70,6 +71,7 @@ def build_launch(settings: ReplicaSettings, device: str | None) -> Launch:
         "--dtype", served_dtype(settings),
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
+        "--worker-extension-cls", EXTENSION_CLASS,  # attestation (lora_identity.py), called through dev mode
     ]  # fmt: skip
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_SERVER_DEV_MODE": "1"}
     defaults: dict[str, str] = {}

@@ -102,6 +102,10 @@ class ProxySettings(CommonSettings, ReplicaKey):
         30.0, ge=0, description="Seconds between agreement-canary rounds (every ready replica probed for the base "
         "model and each run's newest adapter, answers compared); 0 = only at loads and re-syncs.",
     )
+    proxy_attest_interval_s: float = Field(
+        30.0, ge=0, description="Seconds between attestation rounds (every ready replica's engine reports the digests "
+        "of the LoRA weights it holds, held to the ledger's references); 0 = only at loads and re-syncs.",
+    )
     proxy_canary_tokens: int = Field(
         16, ge=4, le=64, description="Positions scored per canary probe of 16-bit replicas: word prefixes of its "
         "fixed text, one greedy token each (float32 replicas get one 4-token greedy continuation). More average more "

@@ -44,6 +44,7 @@ from lorafleet_testing.waiting import until
 TEST_RUN = "itest"
 # Core sets for CPU replicas on a 2-core box: three distinct claims, so three replicas can coexist.
 CPU_SETS = "0;1;0-1"
+PLANTED_FAULTS = "lorafleet_testing.planted_faults.PlantedFaults"
 STARTUP_TIMEOUT_S = float(os.environ.get("LORAFLEET_TEST_STARTUP_S", "300"))
 
 
@@ -112,7 +113,8 @@ def served_adapters() -> Callable[[str], dict[str, str]]:
 
 @pytest.fixture(scope="session")
 def replica_env(tiny_model: Path, adapter_root: Path, fleet_device: FleetDevice) -> dict[str, str]:
-    """Settings environment every test replica starts from (the tier's device, tiny model, max_loras 6, rank 8)."""
+    """Settings environment every test replica starts from (the tier's device, tiny model, max_loras 6, rank 8,
+    the planted-faults worker extension)."""
     return {
         "BASE_MODEL": str(tiny_model),
         "ADAPTER_ROOT": str(adapter_root),
@@ -120,6 +122,8 @@ def replica_env(tiny_model: Path, adapter_root: Path, fleet_device: FleetDevice)
         "MAX_STALENESS": "4",
         "LORA_RANK": "8",
         "LOG_LEVEL": "INFO",
+        # The product's attestation extension plus the faults the attestation tests plant (planted_faults.py).
+        "VLLM_EXTRA_ARGS": f"--worker-extension-cls {PLANTED_FAULTS}",
         **fleet_device.replica_env,
     }
 
