@@ -2,10 +2,12 @@
 
 Every generation answer of the proxy names the replica that answered (`X-Proxy-Upstream`), the weights asked for
 by fleet name (`X-Lorafleet-Adapter`) and the fingerprint of the content that replica loaded under that name
-(`X-Lorafleet-Fingerprint`). The rollout child notes one `Answer` per turn on the rollout's episode (episodes.py,
-FleetRolloutLoop in fleet_rollouts.py); the scored sample carries them to the trainer process, where
-`RolloutRecord` writes one line per sample the trainer reads from TRL's rollout queue to the run's rollouts.jsonl.
-A trainer pointed at a plain vLLM server (no proxy) gets no such headers: its answers name no replica ("").
+(`X-Lorafleet-Fingerprint`), and once its engine attested the adapter, the digest it attested and how long ago
+(`X-Lorafleet-Attested`, `X-Lorafleet-Attested-Age`: proxy attestation.py). The rollout child notes one `Answer`
+per turn on the rollout's episode (episodes.py, FleetRolloutLoop in fleet_rollouts.py); the scored sample carries
+them to the trainer process, where `RolloutRecord` writes one line per sample the trainer reads from TRL's rollout
+queue to the run's rollouts.jsonl. A trainer pointed at a plain vLLM server (no proxy) gets no such headers: its
+answers name no replica ("").
 Story: docs/concepts/provenance.md.
 """
 
@@ -20,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from lorafleet.vllm_api import PROXY_ADAPTER_HEADER, PROXY_FINGERPRINT_HEADER, PROXY_UPSTREAM_HEADER
+from lorafleet.vllm_api import (
+    PROXY_ADAPTER_HEADER,
+    PROXY_ATTESTED_AGE_HEADER,
+    PROXY_ATTESTED_HEADER,
+    PROXY_FINGERPRINT_HEADER,
+    PROXY_UPSTREAM_HEADER,
+)
 
 from lorafleet_trainer.queue_view import QueueView
 
@@ -35,6 +43,10 @@ class Answer:
     adapter: str
     fingerprint: str
     tokens: int  # the tokens this turn generated
+    # The digest of the weights the replica's engine held under that name at its last attestation, and that
+    # attestation's age in seconds ("" and None: not attested, e.g. a replica that cannot attest).
+    attested: str = ""
+    attested_age_s: float | None = None
 
 
 def answer_from(headers: Mapping[str, str], content: Mapping[str, Any]) -> Answer:
@@ -45,7 +57,17 @@ def answer_from(headers: Mapping[str, str], content: Mapping[str, Any]) -> Answe
         adapter=headers.get(PROXY_ADAPTER_HEADER, ""),
         fingerprint=headers.get(PROXY_FINGERPRINT_HEADER, ""),
         tokens=len(choices[0].get("token_ids") or ()),
+        attested=headers.get(PROXY_ATTESTED_HEADER, ""),
+        attested_age_s=age_of(headers.get(PROXY_ATTESTED_AGE_HEADER)),
     )
+
+
+def age_of(value: str | None) -> float | None:
+    """The attestation age header as seconds; None when absent or not a number."""
+    try:
+        return None if value is None else float(value)
+    except ValueError:
+        return None
 
 
 def logprob_key(trained: np.ndarray) -> str:

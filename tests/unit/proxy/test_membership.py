@@ -456,7 +456,8 @@ async def test_rebind_by_content_same_name_same_path_new_weights(
     (adapter / "adapter_model.safetensors").write_bytes(b"republished after the resume")
     assert (await broadcast.load_adapter(fleet, body)).status_code == 200
     for engine in engines.values():
-        changes = [call for call in engine.calls if call != "/v1/completions"]  # not the canary's probes
+        # Not the canary's probes nor attestation's reports (reads).
+        changes = [call for call in engine.calls if call not in ("/v1/completions", "/collective_rpc")]
         assert changes[-3:] == ["/v1/unload_lora_adapter", "/reset_prefix_cache", "/v1/load_lora_adapter"]
     assert fleet.ledger.get("trl-policy-v2") != first
 

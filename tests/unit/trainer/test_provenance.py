@@ -22,7 +22,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from lorafleet.settings import ConfigError, load_settings
-from lorafleet.vllm_api import PROXY_ADAPTER_HEADER, PROXY_FINGERPRINT_HEADER, PROXY_UPSTREAM_HEADER
+from lorafleet.vllm_api import (
+    PROXY_ADAPTER_HEADER,
+    PROXY_ATTESTED_AGE_HEADER,
+    PROXY_ATTESTED_HEADER,
+    PROXY_FINGERPRINT_HEADER,
+    PROXY_UPSTREAM_HEADER,
+)
 from lorafleet_ops.tiny_model import make_tiny_model
 from lorafleet_testing.stub_http import JsonStub
 from lorafleet_trainer.provenance import (
@@ -145,6 +151,19 @@ def test_answer_from_reads_headers_in_any_case_and_names_nothing_without_a_proxy
     assert answer_from(CIMultiDict(), {}) == Answer("", "", "", 0)
 
 
+@given(digest=st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=72),
+       age=st.one_of(st.floats(0, 1e6).map(lambda v: f"{v:.1f}"), st.sampled_from(["", "soon", "1e3x"])))
+def test_answer_from_keeps_the_attested_digest_and_its_age(digest: str, age: str) -> None:
+    answer = answer_from(CIMultiDict({PROXY_ATTESTED_HEADER: digest, PROXY_ATTESTED_AGE_HEADER: age}), {})
+    assert answer.attested == digest
+    try:
+        expected: float | None = float(age)
+    except ValueError:
+        expected = None
+    assert answer.attested_age_s == expected
+    assert answer_from(CIMultiDict(), {}).attested_age_s is None
+
+
 class _ListQueue:
     """A picklable stand-in for TRL's multiprocessing queue."""
 
@@ -183,7 +202,8 @@ def test_the_trainer_records_each_sample_it_reads_also_from_a_packing_process(tm
     assert {line.pop("key") for line in lines} == {logprob_key(np.zeros(3, np.float32))}  # its trained logprobs
     assert [{k: v for k, v in line.items() if k != "time"} for line in lines] == [
         {"group": 7, "version": 3, "tokens": 3, "answers": [{"replica": "http://r1:8000", "adapter": "trl-policy-v3",
-                                                             "fingerprint": "sha256:ab", "tokens": 3}]},
+                                                             "fingerprint": "sha256:ab", "tokens": 3,
+                                                             "attested": "", "attested_age_s": None}]},
         {"group": 8, "version": 3, "tokens": 3, "answers": []},
     ]
 
