@@ -871,3 +871,20 @@ def test_doctor_reads_the_ledger_the_proxy_writes(tmp_path: Path) -> None:
     assert read_ledger_file(root) == [(name, entry.path, entry.source) for name, entry in adapters.items()]
     ledger_format.ledger_path(root).write_text('{"version": 2, "adapt')  # torn or corrupt: unknown, not empty
     assert read_ledger_file(root) is None
+
+
+def test_an_unattested_replica_warns_and_one_whose_engine_disagrees_fails() -> None:
+    from lorafleet_ops.commands.doctor.model import ReplicaView
+
+    def snapshot(*views: ReplicaView) -> Snapshot:
+        shot = Snapshot(PROXY)
+        shot.replicas = list(views)
+        return shot
+
+    attested = ReplicaView(R1, "ready", proxy_attestation="attested")
+    unattested = ReplicaView(R2, "ready", proxy_attestation="unattested",
+                             proxy_attestation_failure="cannot attest: 404 Not Found")
+    _one(check_fleet(snapshot(attested, ReplicaView(R2, "ready", proxy_attestation="attested"))), Status.PASS)
+    _one(check_fleet(snapshot(attested, unattested)), Status.WARN, f"{R2} is unattested", "404 Not Found")
+    disagrees = ReplicaView(R2, "syncing", proxy_attestation="disagrees", proxy_attestation_failure="slot differs")
+    _one(check_fleet(snapshot(attested, disagrees)), Status.FAIL, "attests other LoRA weights", "slot differs")

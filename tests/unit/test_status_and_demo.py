@@ -167,3 +167,11 @@ def test_the_report_has_each_eval_pass_with_how_often_each_reward_scored_and_plo
     assert "eval pass@1 by step: 1: 0.25, 4: 0.50" in text and "eval bare_number > 0 by step: 1: 0.10, 4: 0.60" in text
     demo.plot_report({"demo": metrics}, tmp_path / "report.png", title="task arithmetic")
     assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_status_shows_each_replicas_attestation() -> None:
+    replicas = [{**FLEET["replicas"][0], "attestation": {"state": "unattested", "failure": "cannot attest: 404"}},
+                {**FLEET["replicas"][1], "attestation": {"state": "attested", "adapters": 3, "age_s": 4.0}}]
+    text = render_status({**FLEET, "replicas": replicas}, "u", [])
+    assert "unattested: cannot attest: 404" in text
+    assert "attested 3 adapter(s) 4.0s ago" in text

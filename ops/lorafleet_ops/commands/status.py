@@ -138,6 +138,12 @@ def render_status(fleet: dict[str, Any], url: str, metrics: list[dict[str, Any]]
         )
         if replica.get("last_error"):
             lines.append(f"{'':<32} last error: {replica['last_error']}")
+        attestation = replica.get("attestation") or {}
+        if attestation.get("state") in ("unattested", "disagrees"):
+            lines.append(f"{'':<32} {attestation['state']}: {attestation.get('failure')}")
+        elif attestation.get("state") == "attested":
+            lines.append(f"{'':<32} attested {attestation.get('adapters', 0)} adapter(s) "
+                         f"{attestation.get('age_s')}s ago")
     ledger = fleet.get("ledger", [])
     lines += ["", f"ledger: {adapter_span([entry['name'] for entry in ledger])}"]
     lines += render_runs(fleet)

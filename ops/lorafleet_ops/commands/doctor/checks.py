@@ -79,8 +79,17 @@ def check_fleet(snapshot: Snapshot) -> CheckResult:
                                                                           for r in departed),
                            "the proxy re-syncs it (adapter reloaded, prefix cache reset) and re-admits it once it "
                            "agrees; if it keeps departing, restart that replica and report the engine's version")
+    distrusted = [r for r in listed if r.proxy_attestation == "disagrees"]
+    if distrusted:
+        return CheckResult(name, Status.FAIL, "its engine attests other LoRA weights than the ledger's reference (the "
+                           "proxy took it out of routing): " + "; ".join(f"{r.url}: {r.proxy_attestation_failure}"
+                                                                         for r in distrusted),
+                           "the proxy re-syncs it (adapter reloaded) and re-admits it once it attests correctly; if "
+                           "it keeps disagreeing, restart that replica and report the engine's version")
     problems = [f"{r.url} is {r.proxy_state}" + (f" ({r.proxy_error})" if r.proxy_error else "")
                 for r in listed if r.proxy_state != "ready"]
+    problems += [f"{r.url} is unattested, its engine's LoRA weights unverified ({r.proxy_attestation_failure})"
+                 for r in listed if r.proxy_attestation == "unattested"]
     unknown = [r for r in snapshot.replicas if r.proxy_state is None]
     if unknown:
         problems.append(f"the proxy does not list {replica_names(unknown)}: no traffic and no broadcasts reach it")

@@ -79,6 +79,8 @@ async def _read_proxy(snapshot: Snapshot, views: dict[str, ReplicaView], token: 
                                          proxy_generates=item.get("generates"), inflight=int(item.get("inflight", 0)),
                                          vllm_version=item.get("vllm_version"),
                                          proxy_canary_failure=(item.get("canary") or {}).get("failure"),
+                                         proxy_attestation=(item.get("attestation") or {}).get("state"),
+                                         proxy_attestation_failure=(item.get("attestation") or {}).get("failure"),
                                          proxy_server_info=item.get("server_info"), proxy_adapters=item.get("adapters"))
             snapshot.ledger = [(str(e["name"]), str(e["path"])) for e in fleet.get("ledger", [])]
             snapshot.ledger_sources = {str(e["name"]): str(e.get("source") or e["path"])

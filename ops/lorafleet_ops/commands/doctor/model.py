@@ -41,6 +41,10 @@ class ReplicaView:
     proxy_error: str | None = None
     proxy_generates: bool | None = None  # the proxy's warm-up verdict: False = /health 200 but cannot generate
     proxy_canary_failure: str | None = None  # the proxy's agreement canary: why its answers departed (None: agrees)
+    # The proxy's attestation of its engine: "attested", "disagrees", "unattested" (cannot attest) or "unknown"
+    # (None: an older proxy), and why when not attested.
+    proxy_attestation: str | None = None
+    proxy_attestation_failure: str | None = None
     inflight: int = 0  # requests the proxy has in flight to it (0 when not listed)
     vllm_version: str | None = None  # its GET /version, or the proxy's reading at admission (None: unknown)
     info: ServerInfo | None = None
