@@ -53,6 +53,19 @@ def norm_path(path: str) -> str:
 
 
 
+# Why the proxy took a replica out of routing for its weights: (its reason, what it means, the fix).
+WEIGHT_DOUBTS: list[tuple[Callable[[ReplicaView], str | None], str, str]] = [
+    (lambda r: r.proxy_canary_failure,
+     "decodes with other weights than its peers (the proxy's agreement canary took it out of routing): ",
+     "the proxy re-syncs it (adapter reloaded, prefix cache reset) and re-admits it once it agrees; if it keeps "
+     "departing, restart that replica and report the engine's version"),
+    (lambda r: r.proxy_attestation_failure if r.proxy_attestation == "disagrees" else None,
+     "its engine attests other LoRA weights than the ledger's reference (the proxy took it out of routing): ",
+     "the proxy re-syncs it (adapter reloaded) and re-admits it once it attests correctly; if it keeps disagreeing, "
+     "restart that replica and report the engine's version"),
+]
+
+
 def check_fleet(snapshot: Snapshot) -> CheckResult:
     """0. The proxy answers and lists its replicas; every listed replica is ready."""
     name = "fleet"
@@ -72,20 +85,10 @@ def check_fleet(snapshot: Snapshot) -> CheckResult:
                            "failed; it gets no traffic): " + "; ".join(f"{r.url}: {r.proxy_error}" for r in mute),
                            "read that replica's log for the engine's error (on CPU: a C++ compiler and Python's "
                            "headers must be in the image); the proxy admits it once a warm-up succeeds")
-    departed = [r for r in listed if r.proxy_canary_failure]
-    if departed:
-        return CheckResult(name, Status.FAIL, "decodes with other weights than its peers (the proxy's agreement "
-                           "canary took it out of routing): " + "; ".join(f"{r.url}: {r.proxy_canary_failure}"
-                                                                          for r in departed),
-                           "the proxy re-syncs it (adapter reloaded, prefix cache reset) and re-admits it once it "
-                           "agrees; if it keeps departing, restart that replica and report the engine's version")
-    distrusted = [r for r in listed if r.proxy_attestation == "disagrees"]
-    if distrusted:
-        return CheckResult(name, Status.FAIL, "its engine attests other LoRA weights than the ledger's reference (the "
-                           "proxy took it out of routing): " + "; ".join(f"{r.url}: {r.proxy_attestation_failure}"
-                                                                         for r in distrusted),
-                           "the proxy re-syncs it (adapter reloaded) and re-admits it once it attests correctly; if "
-                           "it keeps disagreeing, restart that replica and report the engine's version")
+    for failure, what, fix in WEIGHT_DOUBTS:
+        doubted = [(r, failure(r)) for r in listed if failure(r)]
+        if doubted:
+            return CheckResult(name, Status.FAIL, what + "; ".join(f"{r.url}: {why}" for r, why in doubted), fix)
     problems = [f"{r.url} is {r.proxy_state}" + (f" ({r.proxy_error})" if r.proxy_error else "")
                 for r in listed if r.proxy_state != "ready"]
     problems += [f"{r.url} is unattested, its engine's LoRA weights unverified ({r.proxy_attestation_failure})"
