@@ -222,3 +222,14 @@ def test_core_list_is_the_same_cores_in_vllms_syntax(cores: set[int]):
     assert _cores(text) == cores
     assert replica_settings(vllm_cpu_sets=text).cpu_pool == [text]
     assert len(text.split(",")) == 1 + sum(1 for core in cores if core + 1 not in cores and core != max(cores))
+
+
+def test_every_replica_carries_the_attestation_extension() -> None:
+    import importlib
+
+    from lorafleet.engine_identity import EXTENSION_CLASS
+
+    argv = build_launch(load_settings(ReplicaSettings, replica_device="cpu"), "0").argv
+    assert argv[argv.index("--worker-extension-cls") + 1] == EXTENSION_CLASS
+    module, _, name = EXTENSION_CLASS.rpartition(".")
+    assert hasattr(importlib.import_module(module), name)  # vLLM imports it by this name in each worker
