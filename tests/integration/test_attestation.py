@@ -7,7 +7,8 @@
   attestation alone (the canary's rounds off): the replica leaves routing, its answers since its last good attestation
   are flagged, and it comes back once it attests correctly;
 - an adapter whose module names do not match the model (vLLM applies 0 of them) is refused at its load;
-- neither of the proxy's ports relays /collective_rpc: nothing runs on a replica.
+- neither of the proxy's ports relays /collective_rpc: nothing runs on a replica;
+- a replica that cannot attest serves and shows unattested.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ import httpx
 import pytest
 from lorafleet.engine_identity import ATTEST_METHOD, parse_report
 from lorafleet.ports import free_port
+from lorafleet.settings import load_settings
 from lorafleet.vllm_api import PROXY_ATTESTED_AGE_HEADER, PROXY_ATTESTED_HEADER, PROXY_UPSTREAM_HEADER
 from lorafleet_ops.processes import Service
+from lorafleet_proxy.app import create_app
+from lorafleet_testing.fakes import start_fakes, start_server
 from lorafleet_testing.fleet import proxy_in_loop
 from lorafleet_testing.waiting import until
 from safetensors.torch import load_file, save_file
@@ -220,3 +224,25 @@ async def marks(services: list[Service]) -> list[Any]:
     async with httpx.AsyncClient(timeout=30) as direct:
         return [(await direct.post(s.url + "/collective_rpc", json={"method": "lorafleet_test_marks"})).json()
                 for s in services]
+
+
+async def test_a_replica_that_cannot_attest_serves_and_shows_unattested(tmp_path: Path) -> None:
+    """A fake replica mounts no /collective_rpc (as a vLLM without dev mode or the extension answers 404)."""
+    _, servers = await start_fakes(1)
+    app = create_app(load_settings(proxy_upstreams=servers[0].url, adapter_root=str(tmp_path), **QUIET))
+    proxy = await start_server(app)
+    try:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as http:
+            await until(lambda: all_ready(http), "the fake replica ready", 60)
+            await app.state.fleet.attestation_round()
+            attestation = (await replicas(http))[servers[0].url]["attestation"]
+            assert attestation["state"] == "unattested" and "404" in attestation["failure"]
+            answer = await http.post("/v1/completions", json={"model": "fake-base", "prompt": "hi", "max_tokens": 1})
+            assert answer.status_code == 200 and PROXY_ATTESTED_HEADER not in answer.headers
+    finally:
+        await proxy.stop()
+        await servers[0].stop()
+
+
+async def all_ready(http: httpx.AsyncClient) -> bool:
+    return all(r["state"] == "ready" for r in (await replicas(http)).values())
