@@ -37,7 +37,7 @@ import httpx
 from lorafleet.settings import StackSettings
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record
 from lorafleet_ops.peft_adapter import write_lora_adapter
-from lorafleet_ops.placement import detect_gpus, plan
+from lorafleet_ops.placement import place
 from lorafleet_ops.processes import Service, replica_service, start_in_waves
 from lorafleet_ops.tiny_model import make_tiny_model
 from lorafleet_proxy.canary import GREEDY_TOKENS, Canary, CanaryAnswer, full_precision, parse_answer, tolerance_for
@@ -152,7 +152,7 @@ def replicas_for(args: argparse.Namespace, model: Path, root: Path, work: Path) 
            "VLLM_DTYPE": args.dtype, "LORA_RANK": str(args.rank), "MAX_STALENESS": str(len(args.steps)),
            "LOG_LEVEL": "WARNING"}
     if args.device == "cuda":
-        placement = plan(detect_gpus(None), 2, "shared")
+        placement = place(None, 2, "shared")
         env.update(placement.replica_env())
         wave = placement.wave
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from lorafleet_ops.host_check import NoGpu, nvidia_gpus
-from lorafleet_ops.placement import Placement, PlacementError, TrainerPolicy, detect_gpus, parse_gpu_list, plan
+from lorafleet_ops.placement import Placement, PlacementError, TrainerPolicy, parse_gpu_list, place
 from lorafleet_testing.fleet import (  # noqa: F401 (fixtures, found by name)
     FleetDevice,
     adapter_root,
@@ -85,8 +85,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def placement() -> Placement:
     requested = os.environ.get(GPUS_VARIABLE, "")
     trainer: TrainerPolicy = os.environ.get(TRAINER_VARIABLE, "auto")  # type: ignore[assignment]
-    gpus = detect_gpus(parse_gpu_list(requested, GPUS_VARIABLE) if requested else None, option=GPUS_VARIABLE)
-    return plan(gpus, SESSION_REPLICAS, trainer)
+    return place(parse_gpu_list(requested, GPUS_VARIABLE) if requested else None, SESSION_REPLICAS, trainer,
+                 option=GPUS_VARIABLE)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

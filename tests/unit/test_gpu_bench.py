@@ -7,6 +7,7 @@ from __future__ import annotations
 import gpu_bench
 import gpu_fleet
 import pytest
+from lorafleet.gpu_sharing import fitting_fraction
 from lorafleet_ops.host_check import Gpu, NoGpu
 from pipeline_bench import arms_for, pick_arms
 from sync_bench import publish_summary
@@ -43,7 +44,8 @@ def test_gpu_replicas_share_the_first_card_in_bf16_one_at_a_time(monkeypatch: py
     assert 2 * float(shared.replica_env["VLLM_GPU_MEMORY_UTILIZATION"]) <= 0.95
     beside = gpu_fleet.layout("gpu", 1, eager=False, trainer_reserve=0.7)
     assert "VLLM_EXTRA_ARGS" not in beside.replica_env
-    assert float(beside.replica_env["VLLM_GPU_MEMORY_UTILIZATION"]) <= 0.25 + 1e-9
+    # what is left of the card beside the trainer's 0.7 once the driver and the engine's CUDA context are paid
+    assert float(beside.replica_env["VLLM_GPU_MEMORY_UTILIZATION"]) == fitting_fraction(1, 81559 / 1024, 0.7) < 0.3
     assert beside.trainer_env == {"TRAINER_GPUS": "0", "CUDA_VISIBLE_DEVICES": "0"}
     assert set(beside.notes) >= {"VLLM_DTYPE", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_GPU_MEMORY_UTILIZATION"}
 

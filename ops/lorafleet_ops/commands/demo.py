@@ -34,7 +34,7 @@ from lorafleet.vllm_api import metric_total
 from lorafleet_ops import base_model
 from lorafleet_ops.commands.status import adapter_span, fmt, latest, read_metrics
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record
-from lorafleet_ops.placement import Placement, TrainerPolicy, detect_gpus, plan
+from lorafleet_ops.placement import Placement, TrainerPolicy, place
 from lorafleet_ops.processes import (
     Service,
     free_port,
@@ -320,7 +320,7 @@ def device_settings(options: DemoOptions) -> tuple[dict[str, str], dict[str, str
     if options.device == "cpu":
         cores = ";".join(str(i % 2) if i < 2 else "0-1" for i in range(options.replicas))
         return {"REPLICA_DEVICE": "cpu", "VLLM_DTYPE": "float32", "VLLM_CPU_SETS": cores}, {}, None
-    placement = plan(detect_gpus(options.gpus), options.replicas, options.trainer_gpu)
+    placement = place(options.gpus, options.replicas, options.trainer_gpu)
     return {**placement.replica_env(), "VLLM_DTYPE": "bfloat16"}, placement.trainer_env(), placement
 
 
