@@ -67,7 +67,7 @@ SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pypr
                 tests/support/pyproject.toml tools/setup_venv.sh tools/vllm_cpu_fixup.sh
 
 # Every target but the stamp file (tests/unit/test_makefile.py checks it).
-.PHONY: help setup bench-turns unit integration test test-compat test-stack test-gpu test-gpu-processes lint fuzz \
+.PHONY: help setup bench-turns unit integration test test-compat test-stack test-gpu test-gpu-processes rehearse-gpu lint fuzz \
         bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-store-cost bench-canary bench-canary-noise bench-lora-stress bench-pipeline bench-gpu \
         chaos bench-chaos \
         demo status doctor host-check gpu-check engine-check build up down scale train run-key logs ps docs docs-serve docs-reference
@@ -143,6 +143,12 @@ test-gpu-processes: $(if $(GPU_PYTHON),,setup) ## GPU: real CUDA vLLM, proxy and
 	$(if $(TRAINER_GPU),LORAFLEET_TEST_TRAINER_GPU=$(TRAINER_GPU)) $(or $(GPU_PYTHON),$(BIN)/python) -m pytest -m gpu \
 	tests/gpu/test_gpu_processes.py --junitxml $(GPU_TIER_LOG).xml $(PYTEST_ARGS) 2>&1 | tee $(GPU_TIER_LOG).log; \
 	status=$$?; $(or $(GPU_PYTHON),$(BIN)/python) bench/gpu_tier_report.py --xml $(GPU_TIER_LOG).xml; exit $$status
+
+# The GPU window rehearsed on vllm-cpu (tools/gpu_window.sh --cpu all; docs/guides/gpu-processes.md#the-gpu-window): the
+# GPU tier's module, bench-gpu's parts, the canary noise on the tiny and the real model and the GPU demo's command line,
+# at CPU sizes, each step's JSON and logs under results/rehearse-gpu/. CI runs it beside `make test`.
+rehearse-gpu: setup ## The GPU window rehearsed on CPU: the GPU tier, bench-gpu's parts, canary noise, the GPU demo's command (CPU sizes)
+	bash tools/gpu_window.sh --cpu all results/rehearse-gpu
 
 lint: setup ## ruff on all Python code, hadolint on every Dockerfile, and the docs site's strict build
 	$(BIN)/ruff check shared ops services tests bench tools tasks

@@ -51,7 +51,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "gpu": {"publish_samples": 10, "sync": ["--syncs", "5", "--rounds", "2", "--interval-s", "1.0", "--warmup-s",
                                             "3", "--concurrency", "32", "--prompt-tokens", "64", "--max-tokens", "128"],
             "turns": ["--episodes", "16", "--rounds", "1", "--turns", "4"],
-            "pipeline": ["--steps", "4", "--setting", "MAX_COMPLETION_LENGTH=512",
+            "pipeline": ["--steps", "3", "--setting", "MAX_COMPLETION_LENGTH=512",
                          "--setting", "GRADIENT_CHECKPOINTING=true",
                          "--setting", f"PROXY_CANARY_LOGPROB_TOLERANCE={GPU_PROXY['PROXY_CANARY_LOGPROB_TOLERANCE']}"]},
     "cpu": {"publish_samples": 2, "sync": ["--syncs", "2", "--rounds", "1", "--interval-s", "0.5", "--warmup-s", "1",

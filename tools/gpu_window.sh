@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# One GPU window (issue 63): every check lorafleet makes on a CUDA card, as a few steps of at most ~9 minutes each,
+# so that a lent GPU host whose calls run 10 minutes at most and carry 64 MiB at most takes them back to back, and
+# the same steps rehearsed on CPU (--cpu) in every CI run (`make rehearse-gpu`), so that nothing but CUDA itself is
+# first seen on the card. docs/guides/gpu-processes.md#the-gpu-window has the whole sequence and its budget.
+#
+#   tools/gpu_window.sh [--cpu] STEP OUT
+#
+# STEP, in the window's order (each one device call; `stage N` shares a call with the step after it):
+#   stage N           install staged chunk .gpu/cN (tools/stage_gpu.py; the call carries .gpu/cN); GPU only
+#   tier              the GPU process tier (tests/gpu/test_gpu_processes.py): 3 replicas and the trainer on GPU 0
+#   bench-sync-turns  make bench-gpu PARTS=sync,turns (publish latency, tokens/s in sync windows, multi-turn reuse)
+#   bench-pipeline    make bench-gpu PARTS=pipeline (the async loop through the proxy against TRL alone)
+#   canary-noise      the canary's noise and tolerance: the tiny model, then the real SmolLM2-135M (bf16 on GPU)
+#   demo              make demo GPU=1 TASK=tasks/arithmetic.py (the real model learns to add); on CPU 2 steps
+#   all               every step but `stage`, in order (the CPU rehearsal)
+# Each step writes its JSON, its report and a logs.tgz under OUT/STEP/ (at most 8 files: what a device call brings
+# back); the JSON a benchmark page reads is copied into bench/results by hand from there, once it is a real GPU run.
+# GPU_PYTHON (default /tmp/lorafleet-gpu/venv/bin/python, where `stage` installs) runs everything on the GPU; on CPU,
+# .venv's python (make setup). A failing step fails the script (exit 1) after packing its logs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+device=gpu
+if [ "${1:-}" = "--cpu" ]; then device=cpu; shift; fi
+step=${1:?usage: tools/gpu_window.sh [--cpu] STEP OUT (STEP: stage N, tier, bench-sync-turns, bench-pipeline, canary-noise, demo, all)}
+shift
+chunk=
+if [ "$step" = stage ]; then chunk=${1:?stage needs the chunk number}; shift; fi
+out=${1:?usage: tools/gpu_window.sh [--cpu] STEP OUT}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+prefix=/tmp/lorafleet-gpu
+if [ "$device" = gpu ]; then
+  python=${GPU_PYTHON:-$prefix/venv/bin/python}
+  make_python=(GPU_PYTHON="$python")
+else
+  python=.venv/bin/python
+  make_python=()
+fi
+export LORAFLEET_ENV_FILE= PYTHONUNBUFFERED=1
+
+say() { printf '\n==> [%s %s] %s (%s)\n' "$device" "${current:-}" "$*" "$(date -u +%T)"; }
+
+# pack DIR...: the step's logs, as one file the device call brings back.
+pack() {
+  local dest=$1; shift
+  local present=()
+  local path
+  for path in "$@"; do [ -e "$path" ] && present+=("$path"); done
+  [ ${#present[@]} -gt 0 ] && tar czf "$dest/logs.tgz" --ignore-failed-read "${present[@]}" 2>/dev/null || true
+}
+
+step_stage() {
+  [ "$device" = gpu ] || { echo "stage: GPU only (CPU uses make setup's .venv)"; return 0; }
+  python3 ".gpu/c$chunk/stage_gpu.py" install ".gpu/c$chunk" "$prefix" | tee "$1/stage-$chunk.log"
+}
+
+step_tier() {
+  local dest=$1 rc=0
+  rm -rf results/gpu
+  if [ "$device" = gpu ]; then
+    make --no-print-directory test-gpu-processes GPUS=0 "${make_python[@]}" \
+      PYTEST_ARGS="--basetemp=results/gpu/tmp -p no:cacheprovider" || rc=$?
+    cp bench/results/gpu-tier.json "$dest/" 2>/dev/null || true
+  else
+    mkdir -p results/gpu
+    LORAFLEET_GPU_REHEARSAL=cpu "$python" -m pytest -m gpu tests/gpu/test_gpu_processes.py -p no:cacheprovider \
+      --basetemp=results/gpu/tmp --junitxml results/gpu/gpu-processes.xml 2>&1 | tee results/gpu/gpu-processes.log \
+      || rc=$?
+    "$python" bench/gpu_tier_report.py --xml results/gpu/gpu-processes.xml --out "$dest/gpu-tier.json" || rc=1
+  fi
+  cp results/gpu/gpu-processes.xml "$dest/" 2>/dev/null || true
+  pack "$dest" results/gpu
+  return "$rc"
+}
+
+step_bench() {  # $1: OUT/STEP, $2: the parts
+  local dest=$1 rc=0
+  "$python" bench/gpu_bench.py --device "$device" --parts "$2" --out-dir "$dest" \
+    --work results/bench-gpu-work-"$device" 2>&1 | tee "$dest/bench.log" || rc=$?
+  pack "$dest" results/bench-gpu-work-"$device"/logs
+  return "$rc"
+}
+
+step_canary_noise() {
+  local dest=$1 rc=0 model seconds
+  local cuda=()
+  seconds=120
+  if [ "$device" = gpu ]; then cuda=(--device cuda --eager); else seconds=20; fi
+  for model in tiny smollm2-135m; do
+    "$python" bench/canary_noise.py "${cuda[@]}" --model "$model" --seconds "$seconds" \
+      --work "results/canary-noise-$model" --out "$dest/bench-canary-noise-$device-$model.json" 2>&1 \
+      | tail -n 40 >"$dest/canary-noise-$model.log" || rc=$?
+    tail -n 3 "$dest/canary-noise-$model.log"
+  done
+  pack "$dest" results/canary-noise-tiny/logs results/canary-noise-smollm2-135m/logs
+  return "$rc"
+}
+
+step_demo() {
+  local dest=$1 rc=0
+  if [ "$device" = gpu ]; then
+    make --no-print-directory demo GPU=1 GPUS=0 TASK=tasks/arithmetic.py "${make_python[@]}" 2>&1 \
+      | tee "$dest/demo.log" || rc=$?
+    cp results/demo-gpu-arithmetic/report.json results/demo-gpu-arithmetic/report.png "$dest/" 2>/dev/null || true
+    pack "$dest" results/demo-gpu-arithmetic
+  else  # the same command line on CPU, two steps: every piece of the run, not the learning (make demo's own)
+    "$python" -m lorafleet_ops.commands.cli demo --task tasks/arithmetic.py --steps 2 --eval-every 2 \
+      --out results/rehearse-demo 2>&1 | tee "$dest/demo.log" || rc=$?
+    cp results/rehearse-demo/report.json "$dest/" 2>/dev/null || true
+    pack "$dest" results/rehearse-demo
+  fi
+  return "$rc"
+}
+
+run_step() {
+  local name=$1 dest
+  current=$name
+  dest="$out/$name"
+  mkdir -p "$dest"
+  say "start"
+  local began=$SECONDS rc=0
+  case $name in
+    stage) step_stage "$dest" || rc=$? ;;
+    tier) step_tier "$dest" || rc=$? ;;
+    bench-sync-turns) step_bench "$dest" sync,turns || rc=$? ;;
+    bench-pipeline) step_bench "$dest" pipeline || rc=$? ;;
+    canary-noise) step_canary_noise "$dest" || rc=$? ;;
+    demo) step_demo "$dest" || rc=$? ;;
+    *) echo "unknown step $name" >&2; return 2 ;;
+  esac
+  say "done in $((SECONDS - began)) s, exit $rc"
+  return "$rc"
+}
+
+if [ "$step" = all ]; then
+  failed=()
+  for name in tier bench-sync-turns bench-pipeline canary-noise demo; do
+    run_step "$name" || failed+=("$name")
+  done
+  if [ ${#failed[@]} -gt 0 ]; then echo "gpu window ($device): FAILED: ${failed[*]}"; exit 1; fi
+  echo "gpu window ($device): every step passed"
+else
+  run_step "$step"
+fi
