@@ -13,6 +13,7 @@
 #   bench-pipeline    make bench-gpu PARTS=pipeline (the async loop through the proxy against TRL alone)
 #   canary-noise      the canary's noise and tolerance: the tiny model, then the real SmolLM2-135M (bf16 on GPU)
 #   demo              make demo GPU=1 TASK=tasks/arithmetic.py (the real model learns to add); on CPU 2 steps
+#   pages             the benchmark pages rendered strictly against what the steps above wrote (docsite.page_check)
 #   all               every step but `stage`, in order (the CPU rehearsal)
 # Each step writes its JSON, its report and a logs.tgz under OUT/STEP/ (at most 8 files: what a device call brings
 # back); the JSON a benchmark page reads is copied into bench/results by hand from there, once it is a real GPU run.
@@ -58,16 +59,18 @@ step_stage() {
 
 step_tier() {
   local dest=$1 rc=0
+  # -rA: what the tests print (the canary's distances and tolerance, the reward) reaches the log and gpu-tier.json
+  local tier_args="-v -rA --durations=20 --basetemp=results/gpu/tmp -p no:cacheprovider"
   rm -rf results/gpu
   if [ "$device" = gpu ]; then
     make --no-print-directory test-gpu-processes GPUS=0 "${make_python[@]}" \
-      PYTEST_ARGS="--basetemp=results/gpu/tmp -p no:cacheprovider" || rc=$?
+      PYTEST_ARGS="$tier_args" || rc=$?
     cp bench/results/gpu-tier.json "$dest/" 2>/dev/null || true
   else
     mkdir -p results/gpu
-    LORAFLEET_GPU_REHEARSAL=cpu "$python" -m pytest -m gpu tests/gpu/test_gpu_processes.py -p no:cacheprovider \
-      --basetemp=results/gpu/tmp --junitxml results/gpu/gpu-processes.xml 2>&1 | tee results/gpu/gpu-processes.log \
-      || rc=$?
+    # shellcheck disable=SC2086  # tier_args is a list of words on purpose
+    LORAFLEET_GPU_REHEARSAL=cpu "$python" -m pytest -m gpu tests/gpu/test_gpu_processes.py $tier_args \
+      --junitxml results/gpu/gpu-processes.xml 2>&1 | tee results/gpu/gpu-processes.log || rc=$?
     "$python" bench/gpu_tier_report.py --xml results/gpu/gpu-processes.xml --out "$dest/gpu-tier.json" || rc=1
   fi
   cp results/gpu/gpu-processes.xml "$dest/" 2>/dev/null || true
@@ -114,6 +117,25 @@ step_demo() {
   return "$rc"
 }
 
+# The pages that will read the GPU's files, rendered strictly against the files this run wrote (CPU: under the GPU's
+# page names, the same schema): every value they read must be there (lorafleet_ops.docsite.page_check).
+step_pages() {
+  local dest=$1 rc=0 pages
+  pages="$dest/as-page-names"
+  mkdir -p "$pages"
+  cp "$out"/tier/gpu-tier.json "$out"/bench-sync-turns/bench-gpu-{sync,turns}.json \
+    "$out"/bench-pipeline/bench-gpu-pipeline.json "$pages/" || rc=$?
+  local model
+  for model in tiny smollm2-135m; do
+    cp "$out/canary-noise/bench-canary-noise-$device-$model.json" "$pages/bench-canary-noise-gpu-$model.json" || rc=$?
+  done
+  "$python" -m lorafleet_ops.docsite.page_check docs/benchmarks/gpu.md "$pages"/gpu-tier.json \
+    "$pages"/bench-gpu-{sync,turns,pipeline}.json || rc=$?
+  "$python" -m lorafleet_ops.docsite.page_check docs/benchmarks/canary.md "$pages"/bench-canary-noise-gpu-*.json \
+    || rc=$?
+  return "$rc"
+}
+
 run_step() {
   local name=$1 dest
   current=$name
@@ -128,6 +150,7 @@ run_step() {
     bench-pipeline) step_bench "$dest" pipeline || rc=$? ;;
     canary-noise) step_canary_noise "$dest" || rc=$? ;;
     demo) step_demo "$dest" || rc=$? ;;
+    pages) step_pages "$dest" || rc=$? ;;
     *) echo "unknown step $name" >&2; return 2 ;;
   esac
   say "done in $((SECONDS - began)) s, exit $rc"
@@ -136,7 +159,7 @@ run_step() {
 
 if [ "$step" = all ]; then
   failed=()
-  for name in tier bench-sync-turns bench-pipeline canary-noise demo; do
+  for name in tier bench-sync-turns bench-pipeline canary-noise demo pages; do
     run_step "$name" || failed+=("$name")
   done
   if [ ${#failed[@]} -gt 0 ]; then echo "gpu window ($device): FAILED: ${failed[*]}"; exit 1; fi
