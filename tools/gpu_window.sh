@@ -14,7 +14,8 @@
 #   canary-noise      the canary's noise and tolerance: the tiny model, then the real SmolLM2-135M (bf16 on GPU)
 #   demo              make demo GPU=1 TASK=tasks/arithmetic.py (the real model learns to add); on CPU 2 steps
 #   pages             the benchmark pages rendered strictly against what the steps above wrote (docsite.page_check)
-#   all               every step but `stage`, in order (the CPU rehearsal)
+#   all               every step but `stage`, in order (the whole CPU rehearsal: ~35 min on a busy 2-core machine)
+#   ci                `all` on the tiny model only: no real-model canary noise, no demo (CI's share, ~15 min)
 # Each step writes its JSON, its report and a logs.tgz under OUT/STEP/ (at most 8 files: what a device call brings
 # back); the JSON a benchmark page reads is copied into bench/results by hand from there, once it is a real GPU run.
 # GPU_PYTHON (default /tmp/lorafleet-gpu/venv/bin/python, where `stage` installs) runs everything on the GPU; on CPU,
@@ -86,12 +87,14 @@ step_bench() {  # $1: OUT/STEP, $2: the parts
   return "$rc"
 }
 
+models="tiny smollm2-135m"  # the canary noise's models (`ci`: the tiny one)
+
 step_canary_noise() {
   local dest=$1 rc=0 model seconds
   local cuda=()
   seconds=120
   if [ "$device" = gpu ]; then cuda=(--device cuda --eager); else seconds=20; fi
-  for model in tiny smollm2-135m; do
+  for model in $models; do
     "$python" bench/canary_noise.py "${cuda[@]}" --model "$model" --seconds "$seconds" \
       --work "results/canary-noise-$model" --out "$dest/bench-canary-noise-$device-$model.json" 2>&1 \
       | tail -n 40 >"$dest/canary-noise-$model.log" || rc=$?
@@ -126,7 +129,7 @@ step_pages() {
   cp "$out"/tier/gpu-tier.json "$out"/bench-sync-turns/bench-gpu-{sync,turns}.json \
     "$out"/bench-pipeline/bench-gpu-pipeline.json "$pages/" || rc=$?
   local model
-  for model in tiny smollm2-135m; do
+  for model in $models; do
     cp "$out/canary-noise/bench-canary-noise-$device-$model.json" "$pages/bench-canary-noise-gpu-$model.json" || rc=$?
   done
   "$python" -m lorafleet_ops.docsite.page_check docs/benchmarks/gpu.md "$pages"/gpu-tier.json \
@@ -157,9 +160,11 @@ run_step() {
   return "$rc"
 }
 
-if [ "$step" = all ]; then
+if [ "$step" = all ] || [ "$step" = ci ]; then
   failed=()
-  for name in tier bench-sync-turns bench-pipeline canary-noise demo pages; do
+  names="tier bench-sync-turns bench-pipeline canary-noise demo pages"
+  if [ "$step" = ci ]; then models=tiny; names=${names/ demo/}; fi
+  for name in $names; do
     run_step "$name" || failed+=("$name")
   done
   if [ ${#failed[@]} -gt 0 ]; then echo "gpu window ($device): FAILED: ${failed[*]}"; exit 1; fi

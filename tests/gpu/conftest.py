@@ -107,7 +107,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     """The layout the process tier runs on, at the top of its log (what a committed log must say)."""
     if rehearsal():
         return [f"lorafleet GPU tier rehearsed on CPU ({REHEARSAL_VARIABLE}=cpu): vLLM "
-                f"{importlib.metadata.version('vllm')}, float32 replicas on core sets"]
+                f"{importlib.metadata.version('vllm')}; no GPU",
+                f"lorafleet GPU tier placement: {SESSION_REPLICAS} replicas at most on core sets "
+                f"{CPU_DEVICE.replica_env['VLLM_CPU_SETS']}, float32; the trainer on the CPU"]
     if no_cuda() or no_cuda_vllm():
         return []
     gpus = ", ".join(f"{gpu.index}: {gpu.name} ({gpu.memory_mib} MiB)" for gpu in nvidia_gpus())
