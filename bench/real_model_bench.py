@@ -58,23 +58,30 @@ def spread(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Held-out pass@1 by step, one curve per seed, in one plot."""
+    """Held-out pass@1 by step, one curve per seed in one plot, and the spread (min to max over the seeds) at the
+    steps every seed evaluated."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    curves = {row["seed"]: {e["step"]: e["pass_at_1"] for e in row["eval"]} for row in rows if row.get("eval")}
     fig, axis = plt.subplots(figsize=(8, 4))
+    common = sorted(set.intersection(*(set(curve) for curve in curves.values()))) if len(curves) > 1 else []
+    if common:
+        axis.fill_between(common, [min(curve[step] for curve in curves.values()) for step in common],
+                          [max(curve[step] for curve in curves.values()) for step in common],
+                          alpha=0.15, color="gray", label="spread over the seeds (min to max)")
     for row in rows:
-        evals = row.get("eval", [])
-        if evals:
-            axis.plot([e["step"] for e in evals], [e["pass_at_1"] for e in evals], marker="o",
+        if row["seed"] in curves:
+            curve = curves[row["seed"]]
+            axis.plot(list(curve), list(curve.values()), marker="o",
                       label=f"seed {row['seed']} ({row['eval_pass_at_1']['change_points']:+.1f} points)")
     axis.set_xlabel("optimizer step (the evaluation scores the adapter published at that step)")
     axis.set_ylabel("held-out pass@1 (64 problems, greedy)")
     axis.set_ylim(-0.02, 1.02)
     axis.grid(alpha=0.3)
-    axis.legend()
+    axis.legend(fontsize=8, loc="lower right")
     axis.set_title("SmolLM2-135M learns to add on 2 CPU cores: one curve per seed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -88,7 +95,11 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("results/bench-real-model"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/bench-real-model.json"))
     parser.add_argument("--shared", action="store_true", help="record that other work shared the machine")
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON at --out")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(args.out.read_text())["seeds"], args.out.with_suffix(".png"))
+        return
     record = run_record()
     rows: list[dict[str, Any]] = []
     for seed in range(args.seeds):

@@ -9,15 +9,15 @@ the system prompt asks for, so both rewards start low with room to rise, and GRP
 disagree (reward variance to learn from). Harder rows (two-digit sums, then a + b - c) sit in the same stream, so
 learning does not stop where small sums saturate. What one run reached: docs/benchmarks/real-model.md.
 
-Two rewards, summed by TRL and logged apart (`rewards/correct/mean`, `rewards/bare_number/mean`): `correct` (1.0
-when the last number of the reply is the answer) and `bare_number` (0.2 when the reply is the answer as a number and
-nothing else). The format credit is paid only on a correct answer, and is small, on purpose: shaping must never beat
-the goal. An earlier version paid 0.5 for any bare number, right or wrong; in one of two runs the policy learned to
-drop its `a + b =` scratch work (which it computes in) for bare guesses, and held-out accuracy fell back while the
-summed reward kept rising. Gated, a wrong reply scores 0 whatever its form, so no completion earns more by being
-wrong in the right format than by being right; small, a policy that trades accuracy for the format gains only if it
-keeps more than 1/1.2 (83%) of its accuracy. A row passes evaluation when its sum reaches 1.0, exactly when it is
-correct: pass@1 is accuracy, and the evaluator's `eval/nonzero/bare_number` is the share answered right and bare.
+Two rewards, summed by TRL and logged apart (`rewards/correct`, `rewards/bare_number` in metrics.jsonl): `correct`
+(1.0 when the last number of the reply is the answer) and `bare_number` (0.2 when the reply is the answer as a
+number and nothing else). The format credit is paid only on a correct answer, and is small, on purpose: shaping must
+never beat the goal. An earlier version paid 0.5 for any bare number, right or wrong; in one of two runs the policy
+learned to drop its `a + b =` scratch work (which it computes in) for bare guesses, and held-out accuracy fell back
+while the summed reward kept rising. Gated, a wrong reply scores 0 whatever its form, so no completion earns more by
+being wrong in the right format than by being right; small, a policy that trades accuracy for the format gains only
+if it keeps more than 1/1.2 (83%) of its accuracy. A row passes evaluation when its sum reaches 1.0, exactly when it
+is correct: pass@1 is accuracy, and the evaluator's `eval/nonzero/bare_number` is the share answered right and bare.
 
 The 64 held-out problems are drawn first from their own seed, and no training row asks one of them.
 """
