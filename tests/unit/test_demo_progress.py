@@ -43,6 +43,7 @@ def test_the_line_shows_step_budget_eval_training_replicas_and_routing():
     assert "held-out pass@1 0.42 at step 10 (next eval at step 15)" in line and "step 12/-" not in line
     assert "reward 1.200" in line and "replicas 1/2" in line and "routing affinity 85% of 160" in line
     assert render(read_progress(60, steps(3), FLEET, 5), 9.0, None).startswith("[    9s] step 3/60 | ")
+    assert render(progress, 960.0, -2.0).startswith("[  960s] step 12, wall budget spent: finishing | ")
 
 
 @pytest.mark.parametrize(("rows", "every", "said"), [

@@ -83,7 +83,12 @@ def minutes(seconds: float) -> str:
 
 def render(progress: Progress, elapsed_s: float, wall_left_s: float | None) -> str:
     """One line; `wall_left_s` is the trainer's wall budget (RUN_MAX_WALL_S) left, None when it has none."""
-    budget = "" if wall_left_s is None else f", {minutes(wall_left_s)} of the wall budget left"
+    if wall_left_s is None:
+        budget = ""
+    elif wall_left_s > 0:
+        budget = f", {minutes(wall_left_s)} of the wall budget left"
+    else:  # the trainer's own clock started a little later than ours: it ends its step, saves and exits
+        budget = ", wall budget spent: finishing"
     return (f"[{elapsed_s:5.0f}s] {progress.step}{budget} | {progress.evaluation} | {progress.training} | "
             f"{progress.replicas} | {progress.routing}")
 
