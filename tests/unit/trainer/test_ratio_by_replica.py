@@ -214,7 +214,7 @@ def test_an_outlier_is_logged_and_reported_to_the_proxy_once_per_replica_and_ver
     authorization, body = _Proxy.reports[0]
     assert authorization == "Bearer lfr_key" and body["path"] == "/runs/r/ratio_report"
     assert body["replica"] == "http://c:8000" and body["lora_name"] == "trl-policy-v3"
-    assert "mean log-ratio" in body["evidence"]
+    assert "mean |log-ratio|" in body["evidence"]
 
 
 def test_a_proxy_that_cannot_be_reached_is_logged_and_training_goes_on(caplog):
