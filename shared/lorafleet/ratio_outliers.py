@@ -23,7 +23,7 @@ METRICS_KEY = "ratio_by_replica"  # metrics.jsonl's key of a window's rows
 # provenance.md states the measured false-alarm rate and the tokens needed per fault).
 DIVERGENCE_SHIFT_NATS = 0.05  # the excess divergence the test is tuned to: a third of the base model's for the tiny
 TOKEN_SD_FLOOR_NATS = 0.1  # the per-token spread of |log-ratio| is never taken below this (bit-exact replicas: ~0)
-EVIDENCE_THRESHOLD = 12.0  # the CUSUM names a replica above this (nats of log-likelihood ratio)
+EVIDENCE_THRESHOLD = 8.0  # the CUSUM names a replica above this (nats of log-likelihood ratio; healthy: < 1.5)
 MIN_TOKENS = 8  # a (replica, version) with fewer tokens in a window adds no evidence (nor serves as a reference)
 # The doctor's and the chaos checker's bounds on TRL's fleet-wide ratio (|ratio - 1|): WARN and FAIL.
 RATIO_WARN = 0.01
@@ -54,8 +54,9 @@ class ReplicaRatio:
 
 @dataclass(frozen=True)
 class Outlier:
-    """A replica named by the watch: its evidence `score` passed `bound` over `tokens` of its tokens (since its last
-    naming), whose divergence exceeded its peers' by `departure` nats (token-weighted), judged last on `version`."""
+    """A replica named by the watch: its evidence `score` against one peer passed `bound` over `tokens` of its tokens
+    (since that evidence was last 0), whose divergence exceeded the peer's by `departure` nats (token-weighted), the
+    two sides' per-token spread of |log-ratio| being `spread` (root mean square); judged last on `version`."""
 
     replica: str
     version: int
@@ -64,6 +65,7 @@ class Outlier:
     tokens: int
     peer_tokens: int
     score: float = 0.0
+    spread: float = 0.0
 
     def evidence(self) -> str:
         return (f"{self.replica} on v{self.version}: mean |log-ratio| {self.departure:+.4f} nats above its peers' over "
@@ -98,6 +100,11 @@ class Step:
     error: float
 
     @property
+    def variance(self) -> float:
+        """The two sides' mean per-token variance of |log-ratio|."""
+        return (divergence_variance(self.row) + divergence_variance(self.peer)) / 2
+
+    @property
     def standardized(self) -> float:
         return self.excess / self.error
 
@@ -120,11 +127,12 @@ class _Evidence:
     score: float = 0.0
     tokens: int = 0
     peer_tokens: int = 0
-    excess: float = 0.0  # token-weighted sum of the excess divergence since the score was last 0
+    excess: float = 0.0  # token-weighted sums since the score was last 0: the excess divergence,
+    variance: float = 0.0  # and the two sides' mean per-token variance
 
     def plus(self, step: Step) -> _Evidence:
         return _Evidence(self.score + step.llr, self.tokens + step.row.tokens, self.peer_tokens + step.peer.tokens,
-                         self.excess + step.row.tokens * step.excess)
+                         self.excess + step.row.tokens * step.excess, self.variance + step.row.tokens * step.variance)
 
 
 class RatioWatch:
@@ -148,7 +156,8 @@ class RatioWatch:
             self.evidence[pair] = held
             if held.score > self.threshold:
                 named[step.row.replica] = Outlier(step.row.replica, step.row.version, held.excess / held.tokens,
-                                                  self.threshold, held.tokens, held.peer_tokens, held.score)
+                                                  self.threshold, held.tokens, held.peer_tokens, held.score,
+                                                  math.sqrt(held.variance / held.tokens))
         self.evidence = {pair: held for pair, held in self.evidence.items() if pair[0] not in named}
         return list(named.values())
 

@@ -58,7 +58,7 @@ def test_replicas_never_more_than_half_the_shift_apart_are_never_named(windows) 
     """Each window's step adds at most 0 evidence when a replica exceeds a peer by no more than the allowance."""
     watch = RatioWatch()
     for level, replicas in windows:
-        rows = [_diverging(f"http://r{index}", level + excess, tokens) for index, (excess, tokens) in enumerate(replicas)]
+        rows = [_diverging(f"http://r{i}", level + excess, tokens) for i, (excess, tokens) in enumerate(replicas)]
         assert watch.judge(rows) == []
 
 

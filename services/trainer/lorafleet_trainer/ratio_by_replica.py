@@ -190,4 +190,4 @@ class ReplicaRatios(TrainerCallback):
         if found:
             logs[OUTLIERS_KEY] = [outlier.evidence() for outlier in found]
             if self.reporter is not None:
-                self.reporter.report(found)
+                self.reporter.report(found, max(row.version for row in rows))
