@@ -254,11 +254,12 @@ def canary_renewable() -> str:
 
 
 def ratio_departure(what: str) -> str:
-    """The judgment of a replica's ratio (lorafleet.ratio_outliers): its `floor` (nats), `sigmas` or `min_tokens`."""
+    """The ratio watch's settings (lorafleet.ratio_outliers): its `shift` and `floor` (nats), `threshold` or
+    `min_tokens`."""
     from lorafleet import ratio_outliers
 
-    values = {"floor": ratio_outliers.DEPARTURE_FLOOR_NATS, "sigmas": ratio_outliers.DEPARTURE_SIGMAS,
-              "min_tokens": ratio_outliers.MIN_TOKENS}
+    values = {"shift": ratio_outliers.DIVERGENCE_SHIFT_NATS, "floor": ratio_outliers.TOKEN_SD_FLOOR_NATS,
+              "threshold": ratio_outliers.EVIDENCE_THRESHOLD, "min_tokens": ratio_outliers.MIN_TOKENS}
     return f"{values[what]:g}"
 
 
