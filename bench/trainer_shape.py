@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import random
 import sys
 from dataclasses import dataclass
@@ -77,30 +78,25 @@ def qwen2_config(shape: dict[str, Any], *, eos_token_id: int, pad_token_id: int)
 def build_workload(work: Path, tiny: bool) -> dict[str, Any]:
     """Model dir (config + random weights + the offline tokenizer) and a problem/solution JSONL, built once.
 
-    The weights are made on the GPU where there is one (seconds for 1.5B parameters, minutes on CPU). The tokenizer is
-    the tiny model's offline BPE (about a thousand ids): BPE training on its synthetic corpus cannot reach Qwen's
-    151,936 ids (asked for them, it stops at 2,794: the corpus has no more merges), so the model has more embedding
-    rows than the tokenizer has ids, as Qwen2.5's own checkpoints do (151,936 rows, 151,665 ids); the shape, and so
-    the compute, is the real one's.
+    The weights are made on the GPU where there is one (seconds for 1.5B parameters, minutes on CPU), in a child
+    process: CUDA's caching allocator would otherwise keep ~8 GiB of the card in the caller for the rest of its life,
+    and a benchmark's replicas, sized to share the card, would then not fit (vLLM refused bench-gpu's second replica on
+    an H100 for it). The tokenizer is the tiny model's offline BPE (about a thousand ids): BPE training on its
+    synthetic corpus cannot reach Qwen's 151,936 ids (asked for them, it stops at 2,794: the corpus has no more
+    merges), so the model has more embedding rows than the tokenizer has ids, as Qwen2.5's own checkpoints do
+    (151,936 rows, 151,665 ids); the shape, and so the compute, is the real one's.
     """
-    import torch
     from lorafleet_ops.tiny_model import WORDS, build_tokenizer
-    from transformers import GenerationConfig, Qwen2ForCausalLM
 
     shape = TINY if tiny else QWEN25_MATH_1_5B
     model_dir = work / "model"
     tokenizer = build_tokenizer(seed=0)
     if not (model_dir / "config.json").exists():
-        config = qwen2_config(shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-        model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                                   pad_token_id=tokenizer.pad_token_id)
-        model.save_pretrained(model_dir, safe_serialization=True)
-        tokenizer.save_pretrained(model_dir)
-        del model
+        child = multiprocessing.get_context("spawn").Process(target=write_model, args=(model_dir, tiny))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"building the model in {model_dir} failed (exit {child.exitcode}): see above")
     dataset = work / "problems.jsonl"
     if not dataset.exists():
         rng = random.Random(0)
@@ -110,6 +106,23 @@ def build_workload(work: Path, tiny: bool) -> dict[str, Any]:
                 out.write(json.dumps({"problem": problem, "solution": f"\\boxed{{{rng.randint(0, 999)}}}"}) + "\n")
     return {"model_dir": str(model_dir), "dataset": str(dataset), "token_ids": len(tokenizer),
             "eos": tokenizer.eos_token_id, "model_vocab": shape["vocab_size"], "shape": shape}
+
+
+def write_model(model_dir: Path, tiny: bool) -> None:
+    """The seeded random bf16 weights, config and tokenizer into `model_dir` (build_workload's child process)."""
+    import torch
+    from lorafleet_ops.tiny_model import build_tokenizer
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer(seed=0)
+    config = qwen2_config(TINY if tiny else QWEN25_MATH_1_5B, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    tokenizer.save_pretrained(model_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,7 @@ TREE_PACKAGES = ("shared", "ops", "services/proxy", "services/vllm", "services/t
 MODULES = ("torch", "transformers", "peft", "accelerate", "vllm", "vllm.entrypoints.openai.api_server", "trl",
            "datasets", "math_verify", "latex2sympy2_extended", "liger_kernel", "fastapi", "uvicorn", "httptools",
            "orjson", "uvloop", "httpx", "aiohttp", "requests", "prometheus_client", "matplotlib", "pytest",
-           "pytest_asyncio", "pytest_timeout", "hypothesis", "lorafleet", "lorafleet_ops.commands.cli",
+           "pytest_asyncio", "pytest_timeout", "hypothesis", "gguf", "lorafleet", "lorafleet_ops.commands.cli",
            "lorafleet_ops.processes", "lorafleet_proxy.app", "lorafleet_proxy.main", "lorafleet_vllm.main",
            "lorafleet_trainer.main", "lorafleet_testing.fleet")
 SCRIPTS = ("vllm", "lorafleet-replica", "lorafleet-proxy", "lorafleet-train", "lorafleet")

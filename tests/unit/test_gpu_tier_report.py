@@ -15,7 +15,7 @@ XML = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pyte
 </testcase></testsuite></testsuites>"""
 LOG = """lorafleet GPU tier: vLLM 0.26.0; GPUs 0: NVIDIA H100 80GB HBM3 (81559 MiB)
 noise
-bf16 canary distances: between replicas 0.012, adapter vs base on each replica [0.3, 0.31]
+bfloat16 canary distances: between replicas 0.012, adapter vs base on each replica [0.3, 0.31]
 """
 
 

@@ -9,7 +9,6 @@ import pytest
 from lorafleet_ops.commands import demo
 from lorafleet_ops.commands.demo import (
     build_report,
-    progress_line,
     run_names,
     shared_report,
     summary,
@@ -112,12 +111,6 @@ def test_demo_runs_are_the_default_run_alone_or_named_runs_under_their_prefix():
     assert run_names(3) == ["a", "b", "c"] and trainer_url("http://p:1", "b", 3) == "http://p:1/runs/b"
     with pytest.raises(ValueError, match="--runs"):
         run_names(0)
-
-
-def test_progress_line_names_step_replicas_and_routing():
-    line = progress_line(12.0, 60, _metrics([0.1, 0.2]), FLEET)
-    assert "step 2/60" in line and "reward 0.200" in line
-    assert "replicas 1/2" in line and "routing affinity 85% of 160" in line
 
 
 @pytest.mark.parametrize(("failed", "code"), [([], 0), (["broadcasts", "ratio"], 1)])

@@ -89,7 +89,7 @@ def _demo(args: argparse.Namespace) -> int:
     gpus = tuple(parse_gpu_list(args.gpus, "--gpus")) if args.gpus else ()
     return demo_main(DemoOptions(out=args.out, replicas=args.replicas, steps=args.steps, runs=args.runs,
                                  task=args.task, eval_every_steps=args.eval_every_steps, device=args.device,
-                                 gpus=gpus, trainer_gpu=args.trainer_gpu, model=args.model))
+                                 gpus=gpus, trainer_gpu=args.trainer_gpu, model=args.model, seed=args.seed))
 
 
 def _docs_reference(args: argparse.Namespace) -> int:
@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "task's own `defaults` base_model, else tiny)")
     demo.add_argument("--eval-every", type=int, default=5, dest="eval_every_steps", metavar="STEPS",
                       help="score the task's eval set every STEPS steps (0 = never)")
+    demo.add_argument("--seed", type=int, default=0,
+                      help="the trainer's SEED: the adapter's initial weights and its random streams (make "
+                      "bench-real-model runs seeds 0, 1, 2, ...)")
     demo.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                       help="cpu (default): replicas on CPU core sets; gpu: on this host's NVIDIA GPUs (one per GPU, "
                       "or several sharing one with their memory fractions; docs/guides/gpu-processes.md)")

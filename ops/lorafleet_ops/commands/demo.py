@@ -32,9 +32,10 @@ from lorafleet.runs import run_url
 from lorafleet.vllm_api import metric_total
 
 from lorafleet_ops import base_model
+from lorafleet_ops.commands.progress import EVAL_PASS, ChangedOnly, read_progress, render, wall_budget
 from lorafleet_ops.commands.status import adapter_span, fmt, latest, read_metrics
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record
-from lorafleet_ops.placement import Placement, TrainerPolicy, detect_gpus, plan
+from lorafleet_ops.placement import Placement, TrainerPolicy, place
 from lorafleet_ops.processes import (
     Service,
     free_port,
@@ -59,6 +60,7 @@ class DemoOptions:
     gpus: tuple[int, ...] = ()  # --device gpu: the GPUs to use (empty: every GPU nvidia-smi lists)
     trainer_gpu: TrainerPolicy = "auto"  # --device gpu: the trainer on a GPU of its own or sharing one
     model: str | None = None  # BASE_MODEL: tiny, a named model or a folder (None: the task's default, else tiny)
+    seed: int = 0  # the trainer's SEED (TRL's seed: the adapter's initial weights, its random streams)
 
 
 TINY_DEMO_STEPS = 60
@@ -101,26 +103,6 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def progress_line(elapsed: float, steps: int | None, metrics: list[dict[str, Any]], fleet: dict[str, Any]) -> str:
-    """One line of live progress: training, replicas and their adapters, routing."""
-    replicas = fleet.get("replicas", [])
-    ready = sum(1 for r in replicas if r.get("state") == "ready")
-    router = fleet.get("router", {})
-    routed = int(router.get("routed", 0))
-    hit = f"{100 * router.get('affinity', 0) / routed:.0f}%" if routed else "-"
-    adapters = "; ".join(f"{r.get('state')}: {adapter_span(list(r.get('adapters', {})))}" for r in replicas)
-
-    def last(key: str, spec: str) -> str:
-        return fmt(latest(metrics, key), spec)
-
-    return (
-        f"[{elapsed:5.0f}s] step {last('step', 'd')}/{steps or '-'}  reward {last('reward', '.3f')}  "
-        f"ratio {last('ratio', '.4f')}  queue {last('sample/rollout_queue_size', '.0f')}  "
-        f"staleness {last('sample/staleness_mean', '.2f')}  sync {last('perf/weight_sync_s', '.2f')}s | "
-        f"replicas {ready}/{len(replicas)} [{adapters}] | routing affinity {hit} of {routed}"
-    )
-
-
 def replica_cache_stats(urls: list[str]) -> dict[str, Any]:
     """Prefix-cache queries and hits (tokens) from each replica's own /metrics."""
     per_replica = {}
@@ -137,7 +119,6 @@ def replica_cache_stats(urls: list[str]) -> dict[str, Any]:
 EVAL_NONZERO = "eval/nonzero/"  # per reward function: the share of eval rows it scored (a format rate)
 TOOL_CALLS = "tools/call_frequency"  # TRL: tool calls per rollout, the window's mean
 TOOLS_GIVEN = "tools/loop_exhausted_frac"  # TRL logs it only when the task has tools
-EVAL_PASS = "eval/pass_at_1"
 
 
 def uses_tools(rows: list[dict[str, Any]]) -> bool:
@@ -320,7 +301,7 @@ def device_settings(options: DemoOptions) -> tuple[dict[str, str], dict[str, str
     if options.device == "cpu":
         cores = ";".join(str(i % 2) if i < 2 else "0-1" for i in range(options.replicas))
         return {"REPLICA_DEVICE": "cpu", "VLLM_DTYPE": "float32", "VLLM_CPU_SETS": cores}, {}, None
-    placement = plan(detect_gpus(options.gpus), options.replicas, options.trainer_gpu)
+    placement = place(options.gpus, options.replicas, options.trainer_gpu)
     return {**placement.replica_env(), "VLLM_DTYPE": "bfloat16"}, placement.trainer_env(), placement
 
 
@@ -365,7 +346,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
             metrics_port = free_port()
             trainers[run] = trainer_service(
                 "trainer" if len(runs) == 1 else f"trainer-{run}",
-                {**common, **trainer_env, "RUN_NAME": run, "TRAINER_TASK": task,
+                {**common, **trainer_env, "RUN_NAME": run, "TRAINER_TASK": task, "SEED": str(options.seed),
                  "EVAL_EVERY_STEPS": str(options.eval_every_steps),
                  "TRAINER_VLLM_URL": trainer_url(proxy.url, run, len(runs)), "TRAINER_METRICS_PORT": str(metrics_port),
                  **({"MAX_STEPS": str(steps)} if steps else {})}, logs).start()
@@ -376,13 +357,17 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
              f"replicas {', '.join(r.url + '/metrics' for r in replicas)}")
         metrics_files = {run: metrics_path(adapter_root, run) for run in runs}
         fleet: dict[str, Any] = {}
+        budget, changed = wall_budget(defaults), ChangedOnly()
         with httpx.Client(timeout=10) as client:
             while any(trainer.alive for trainer in trainers.values()):
                 time.sleep(3)
                 fleet = client.get(proxy.url + "/fleet").json()
                 for run, path in metrics_files.items():
-                    line = progress_line(time.monotonic() - begin, steps, read_metrics(path), fleet)
-                    _say(line if len(runs) == 1 else f"run {run} {line}")
+                    progress = read_progress(steps, read_metrics(path), fleet, options.eval_every_steps)
+                    if changed.due(run, progress):
+                        now = time.monotonic()
+                        line = render(progress, now - begin, budget and budget - (now - trainer_began))
+                        _say(line if len(runs) == 1 else f"run {run} {line}")
             fleet = client.get(proxy.url + "/fleet").json()
             trainer_s = time.monotonic() - trainer_began
             proxy_metrics = client.get(proxy.url + "/metrics").text

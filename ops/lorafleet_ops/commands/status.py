@@ -117,7 +117,8 @@ def render_ratio_by_replica(metrics: list[dict[str, Any]]) -> list[str]:
         flag = odd.get((row.replica, row.version))
         lines.append(f"  {row.replica:<32} {'v' + str(row.version):>7} {row.tokens:>7} {row.log_ratio_mean:>+10.5f} "
                      f"{row.abs_log_ratio_mean:>11.5f} {row.log_ratio_std:>8.5f} {row.ratio_mean:>7.4f}"
-                     + (f"  OUTLIER (bound {flag.bound:.4f})" if flag else ""))
+                     + (f"  OUTLIER (+{flag.departure:.4f} nats over its peers, evidence {flag.score:.1f} > "
+                        f"{flag.bound:g})" if flag else ""))
     return lines
 
 

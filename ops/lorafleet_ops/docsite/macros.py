@@ -56,10 +56,12 @@ KeyPath = str | Sequence[str | int]
 
 
 class Results:
-    """The result files under one bench/results folder, each read once per build."""
+    """The result files under one bench/results folder, each read once per build. `strict` names files whose every
+    value a page reads must be there (page_check: a rehearsal's results against the page that will read them)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, strict: frozenset[str] = frozenset()) -> None:
         self.folder = folder
+        self.strict = strict
         self._cache: dict[str, Any] = {}
 
     def path(self, file: str) -> Path:
@@ -108,19 +110,25 @@ class Results:
             rows.append(f"| note | {_cell(str(record['note']))} |")
         return "\n".join([f"| this run ({file}) | |", "|---|---|", *rows])
 
+    def find(self, file: str, path: KeyPath) -> Any:
+        """The value at `path` in `file` (_MISSING where absent; BenchFileError for a strict file)."""
+        found = lookup(self.load(file), path)
+        if found is _MISSING and file in self.strict:
+            raise BenchFileError(f"{self.folder / file} has no {path!r}, which the page reads")
+        return found
+
     def value(self, file: str, path: KeyPath, fmt: str = "{}", scale: float = 1, none: str = "—") -> str:
-        return format_value(lookup(self.load(file), path), fmt, scale, none)
+        return format_value(self.find(file, path), fmt, scale, none)
 
     def ratio(self, file: str, numerator: KeyPath, denominator: KeyPath, fmt: str = "{:.2f}x") -> str:
-        data = self.load(file)
-        top, bottom = lookup(data, numerator), lookup(data, denominator)
+        top, bottom = self.find(file, numerator), self.find(file, denominator)
         if not _is_number(top) or not _is_number(bottom) or bottom == 0:
             return NOT_RECORDED
         return fmt.format(top / bottom)
 
     def table(self, file: str, path: KeyPath, columns: Sequence[Sequence[Any]],
               rows: Sequence[str | int] | None = None, where: KeyPath | None = None) -> str:
-        items = lookup(self.load(file), path)
+        items = self.find(file, path)
         if items is _MISSING:
             return f"*{path}: {NOT_RECORDED}*"
         specs = [_column(column) for column in columns]
@@ -219,13 +227,16 @@ def versions_text(versions: Any) -> str:
 
 def define_env(env: Any) -> None:
     """mkdocs-macros' entry point: the calls above, reading bench/results next to the docs folder."""
-    results = Results(Path(env.conf["docs_dir"]).resolve().parent / RESULTS)
-    calls: dict[str, Callable[..., str]] = {"bench_meta": results.meta, "bench_value": results.value,
-                                            "bench_ratio": results.ratio, "bench_table": results.table,
-                                            "bench_plot": results.plot, "bench_exists": results.exists}
-    calls.update(canary_tolerance=canary_tolerance, canary_renewable=canary_renewable, ratio_departure=ratio_departure)
-    for name, call in calls.items():
+    for name, call in macro_calls(Results(Path(env.conf["docs_dir"]).resolve().parent / RESULTS)).items():
         env.macro(call, name)
+
+
+def macro_calls(results: Results) -> dict[str, Callable[..., str]]:
+    """Every macro a page may call, by name, reading `results`."""
+    return {"bench_meta": results.meta, "bench_value": results.value, "bench_ratio": results.ratio,
+            "bench_table": results.table, "bench_plot": results.plot, "bench_exists": results.exists,
+            "canary_tolerance": canary_tolerance, "canary_renewable": canary_renewable,
+            "ratio_departure": ratio_departure}
 
 
 def canary_tolerance(dtype: str) -> str:
@@ -243,11 +254,12 @@ def canary_renewable() -> str:
 
 
 def ratio_departure(what: str) -> str:
-    """The judgment of a replica's ratio (lorafleet.ratio_outliers): its `floor` (nats), `sigmas` or `min_tokens`."""
+    """The ratio watch's settings (lorafleet.ratio_outliers): its `shift` and `floor` (nats), `threshold` or
+    `min_tokens`."""
     from lorafleet import ratio_outliers
 
-    values = {"floor": ratio_outliers.DEPARTURE_FLOOR_NATS, "sigmas": ratio_outliers.DEPARTURE_SIGMAS,
-              "min_tokens": ratio_outliers.MIN_TOKENS}
+    values = {"shift": ratio_outliers.DIVERGENCE_SHIFT_NATS, "floor": ratio_outliers.TOKEN_SD_FLOOR_NATS,
+              "threshold": ratio_outliers.EVIDENCE_THRESHOLD, "min_tokens": ratio_outliers.MIN_TOKENS}
     return f"{values[what]:g}"
 
 

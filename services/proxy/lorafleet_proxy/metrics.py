@@ -113,6 +113,10 @@ class Metrics:
             "lorafleet_proxy_canary_distance_nats", "Mean |difference| of log-probability per scored token between a "
             "replica's canary answer and the agreed one (the noise between healthy replicas, and what departs).",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0), registry=r)
+        self.canary_tolerance = Gauge(
+            "lorafleet_proxy_canary_tolerance_nats", "The canary's tolerance in force, by precision: the setting, else "
+            "ten times the noise measured between agreeing replicas (its floor and fixed bound in the docs).",
+            ["precision"], registry=r)
         self.canary_rechecks = Counter("lorafleet_proxy_canary_rechecks", "Last ready holders of a subject whose "
                                        "canary answer departed, re-loaded in place and probed again instead of being "
                                        "taken out of routing.", registry=r)

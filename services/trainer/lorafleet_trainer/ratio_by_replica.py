@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from lorafleet.adapters import policy_version
-from lorafleet.ratio_outliers import METRICS_KEY, ReplicaRatio, outliers
+from lorafleet.ratio_outliers import METRICS_KEY, RatioWatch, ReplicaRatio
 from lorafleet.runs import run_of
 from transformers import TrainerCallback
 
@@ -126,12 +126,14 @@ def loss_terms(inputs: dict[str, Any], log_probs: torch.Tensor) -> tuple[torch.T
 
 class ReplicaRatios(TrainerCallback):
     """Observes each loss's terms and adds the window's `ratio_by_replica` rows (and the unattributed token count) to
-    the logged dict; a replica that departs from its peers is logged and given to `reporter` (ratio_report.py).
+    the logged dict; a replica the run's sequential test (RatioWatch) names is logged and given to `reporter`
+    (ratio_report.py).
     Put it before MetricsJsonl and the exporter among the callbacks; `bind` the built trainer."""
 
     def __init__(self, run_dir: Path, reporter: RatioReporter | None = None) -> None:
         self.sources = RolloutSources(run_dir / ROLLOUTS_FILE)
         self.reporter = reporter
+        self.watch = RatioWatch()
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.bound = False
 
@@ -184,8 +186,8 @@ class ReplicaRatios(TrainerCallback):
         rows, unattributed = self.drain()
         logs[METRICS_KEY] = [row.row() for row in rows]
         logs[UNATTRIBUTED_KEY] = unattributed
-        found = outliers(rows)
+        found = self.watch.judge(rows)
         if found:
             logs[OUTLIERS_KEY] = [outlier.evidence() for outlier in found]
             if self.reporter is not None:
-                self.reporter.report(found)
+                self.reporter.report(found, max(row.version for row in rows))

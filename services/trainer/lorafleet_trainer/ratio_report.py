@@ -2,7 +2,9 @@
 
 The report goes to the proxy's `POST /ratio_report` (TRAINER_VLLM_URL: the run's own prefix, with the run's key
 where keys are on) naming the replica, the run's adapter and the evidence; the proxy treats it as a canary
-disagreement (docs/concepts/provenance.md). Each (replica, version) is reported once. The post runs on a thread
+disagreement (docs/concepts/provenance.md). The adapter named is the newest version of the judged window: the
+sequential test may name a replica on evidence from versions the fleet has unloaded since, and a replica decoding
+with other weights does so for every adapter. Each (replica, version) is reported once. The post runs on a thread
 of its own, so a slow or absent proxy never holds the training step; its answer is logged.
 
 Rollouts the replica generated before are not dropped: they are counted and flagged (metrics.jsonl names the
@@ -37,19 +39,20 @@ class RatioReporter:
         self.reported: set[tuple[str, int]] = set()
         self.threads: list[threading.Thread] = []
 
-    def report(self, outliers: list[Outlier]) -> None:
+    def report(self, outliers: list[Outlier], newest: int) -> None:
+        """Report each outlier under `newest`, the judged window's newest version (still served)."""
         for outlier in outliers:
-            if (outlier.replica, outlier.version) in self.reported:
+            if (outlier.replica, newest) in self.reported:
                 continue
-            self.reported.add((outlier.replica, outlier.version))
+            self.reported.add((outlier.replica, newest))
             log_event(log, "ratio_outlier", logging.WARNING, replica=outlier.replica,
-                      adapter=policy_name(outlier.version), evidence=outlier.evidence())
-            thread = threading.Thread(target=self.post, args=(outlier,), name="ratio-report", daemon=True)
+                      adapter=policy_name(newest), evidence=outlier.evidence())
+            thread = threading.Thread(target=self.post, args=(outlier, newest), name="ratio-report", daemon=True)
             thread.start()
             self.threads = [*[t for t in self.threads if t.is_alive()], thread]
 
-    def post(self, outlier: Outlier) -> None:
-        body = {"replica": outlier.replica, "lora_name": policy_name(outlier.version), "evidence": outlier.evidence()}
+    def post(self, outlier: Outlier, newest: int) -> None:
+        body = {"replica": outlier.replica, "lora_name": policy_name(newest), "evidence": outlier.evidence()}
         try:
             response = httpx.post(self.url, json=body, headers=self.headers, timeout=TIMEOUT_S)
         except httpx.HTTPError as exc:

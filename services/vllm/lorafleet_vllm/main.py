@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,11 +26,13 @@ from lorafleet.settings import ConfigError, ReplicaSettings, load_settings
 
 from lorafleet_vllm.claim import Claim, NoFreeDevice, claim_device
 from lorafleet_vllm.command import Launch, build_launch
+from lorafleet_vllm.gpu_memory import NotEnoughGpuMemory, check_room
 
 log = logging.getLogger("lorafleet_vllm")
 
 EXIT_CONFIG = 2
 EXIT_NO_DEVICE = 3
+EXIT_NO_GPU_MEMORY = 4
 
 
 # VLLM_CPU_SETS=auto: replicas per core once every core has one (a 2-core machine still runs `--scale vllm-cpu=3`).
@@ -126,6 +129,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"device": device, "lock": lock and str(lock), "env": launch.shown_env(),
                           "argv": launch.argv}, indent=2))
         return 0
+    if settings.replica_device == "gpu":
+        try:
+            room = check_room(device, settings.vllm_gpu_memory_utilization)
+            log_event(log, "gpu_memory", gpu=room.index, free_gib=round(room.free_mib / 1024, 2),
+                      total_gib=round(room.total_mib / 1024, 2), fraction=settings.vllm_gpu_memory_utilization)
+        except NotEnoughGpuMemory as exc:
+            log_event(log, "not_enough_gpu_memory", logging.ERROR, reason=str(exc))
+            print(f"lorafleet-replica: {exc}", file=sys.stderr)
+            return EXIT_NO_GPU_MEMORY
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:  # no nvidia-smi here: vLLM's check stands
+            log_event(log, "gpu_memory_unknown", logging.WARNING, reason=f"{type(exc).__name__}: {exc}")
     command = resolve_vllm(launch.argv)
     log_event(log, "exec_vllm", device=device or f"scheduler ({visible_gpus()})", mode=settings.replica_device,
               lock=lock, max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank,

