@@ -44,13 +44,20 @@ export LORAFLEET_ENV_FILE= PYTHONUNBUFFERED=1
 
 say() { printf '\n==> [%s %s] %s (%s)\n' "$device" "${current:-}" "$*" "$(date -u +%T)"; }
 
-# pack DIR...: the step's logs, as one file the device call brings back.
+# pack DEST PATH...: the step's logs as one file a device call brings back (16 MiB at most a file): weights, checkpoints,
+# tokenizers and the content store left out; a pack still over the limit is dropped with a warning, so the rest comes back.
 pack() {
   local dest=$1; shift
   local present=()
   local path
   for path in "$@"; do [ -e "$path" ] && present+=("$path"); done
-  [ ${#present[@]} -gt 0 ] && tar czf "$dest/logs.tgz" --ignore-failed-read "${present[@]}" 2>/dev/null || true
+  [ ${#present[@]} -gt 0 ] || return 0
+  tar czf "$dest/logs.tgz" --ignore-failed-read --exclude='*.safetensors' --exclude='*.bin' --exclude='*.gguf' \
+    --exclude='tokenizer.json' --exclude='.content' --exclude='*.pt' --exclude='*.pth' "${present[@]}" 2>/dev/null || true
+  if [ "$(stat -c %s "$dest/logs.tgz" 2>/dev/null || echo 0)" -gt $((15 * 1024 * 1024)) ]; then
+    echo "pack: $dest/logs.tgz is over 15 MiB; dropped (the call would not bring it back)"
+    rm -f "$dest/logs.tgz"
+  fi
 }
 
 step_stage() {
@@ -112,12 +119,12 @@ step_demo() {
     RUN_MAX_WALL_S=${DEMO_WALL_S:-240} VLLM_EXTRA_ARGS=--enforce-eager make --no-print-directory demo GPU=1 GPUS=0 \
       TASK=tasks/arithmetic.py "${make_python[@]}" 2>&1 | tee "$dest/demo.log" || rc=$?
     cp results/demo-gpu-arithmetic/report.json results/demo-gpu-arithmetic/report.png "$dest/" 2>/dev/null || true
-    pack "$dest" results/demo-gpu-arithmetic
+    pack "$dest" results/demo-gpu-arithmetic/logs results/demo-gpu-arithmetic/work/adapters/runs
   else  # the same command line on CPU, two steps: every piece of the run, not the learning (make demo's own)
     "$python" -m lorafleet_ops.commands.cli demo --task tasks/arithmetic.py --steps 2 --eval-every 2 \
       --out results/rehearse-demo 2>&1 | tee "$dest/demo.log" || rc=$?
     cp results/rehearse-demo/report.json "$dest/" 2>/dev/null || true
-    pack "$dest" results/rehearse-demo
+    pack "$dest" results/rehearse-demo/logs results/rehearse-demo/work/adapters/runs
   fi
   return "$rc"
 }
