@@ -36,7 +36,8 @@ def folders(store: ContentStore) -> set[str]:
 
 
 @settings(max_examples=40, deadline=None)
-@given(files=st.dictionaries(FILE_NAMES, st.binary(max_size=3000), max_size=5), config=st.binary(max_size=200))
+@given(files=st.dictionaries(FILE_NAMES, st.binary(min_size=1, max_size=3000), max_size=5),
+       config=st.binary(min_size=1, max_size=200))
 def test_any_set_of_files_is_stored_as_the_fingerprint_sees_it(files: dict[str, bytes], config: bytes) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
