@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,7 @@ def one(urls: list[str], work: Path, model: Path, label: str, plan: Attack) -> d
     root.mkdir(parents=True)
     result = run_attack(urls, root, model, out, plan)
     print(json.dumps({key: result[key] for key in ("seed", "plant", "attempts", "seconds")} |
-                     {"violations": len(result["violations"])}), flush=True)
+                     {"violations": result["violation_count"]}), flush=True)
     return result
 
 
@@ -51,7 +53,7 @@ def plant_evidence(urls: list[str], work: Path, model: Path, seed: int) -> dict[
     for plant in PLANTS:
         runs = [one(urls, work, model, f"{plant}-{n}", Attack(seed, attempts=PLANT_ATTEMPTS, plant=plant))
                 for n in (1, 2)]
-        evidence[plant] = [{"attempts": r["attempts"], "violations": len(r["violations"]),
+        evidence[plant] = [{"attempts": r["attempts"], "violations": r["violation_count"],
                             "by_invariant": _by_invariant(r), "first": r["violations"][:1]} for r in runs]
     return evidence
 
@@ -72,26 +74,35 @@ def main() -> int:
                         help="also attack each planted defect twice from --seed")
     parser.add_argument("--plant", choices=PLANTS, help="only attack this planted defect (--attempts, default "
                         f"{PLANT_ATTEMPTS}) and print the verdict: a seed's replay")
+    parser.add_argument("--replicas", help="URLs of running replicas (comma-separated) instead of starting two")
+    parser.add_argument("--plants-out", type=Path, help="only attack the planted defects; write their evidence here")
     parser.add_argument("--work", type=Path, default=Path("results/isolation-attack"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/isolation-attack.json"))
     args = parser.parse_args()
     work = args.work.resolve()
     model = make_tiny_model(work / "tiny").resolve()
-    services = replicas(work, model, work / "adapters")
-    urls = [service.url for service in services]
+    services = [] if args.replicas else replicas(work, model, work / "adapters")
+    urls = args.replicas.split(",") if args.replicas else [service.url for service in services]
     try:
         if args.plant:
             replay = one(urls, work, model, args.plant, Attack(args.seed, args.attempts or PLANT_ATTEMPTS,
                                                                plant=args.plant))
             print(json.dumps(replay["violations"][:5], indent=1))
             return 0 if replay["violations"] else 1  # a plant must be caught
-        plants = plant_evidence(urls, work, model, args.seed) if args.plants else {}
+        if args.plants_out:
+            args.plants_out.write_text(json.dumps(plant_evidence(urls, work, model, args.seed), indent=1))
+            return 0
+        # The plants monkeypatch this process's proxy: they run in a process of their own, on the same replicas.
+        plants = subprocess.Popen([sys.executable, __file__, "--seed", str(args.seed), "--replicas", ",".join(urls),
+                                   "--work", str(work), "--plants-out", str(work / "plants.json")]) \
+            if args.plants else None
         attack = one(urls, work, model, "clean", Attack(args.seed, args.attempts, args.minutes))
+        evidence = json.loads((work / "plants.json").read_text()) if plants and plants.wait() == 0 else {}
     finally:
         for service in services:
             service.stop()
     attack["violations"] = attack["violations"][:50]  # all of them are in the artifacts; the page shows the first
-    result = {RECORD_KEY: run_record(), "device": "cpu", "replicas": len(urls), "attack": attack, "plants": plants}
+    result = {RECORD_KEY: run_record(), "device": "cpu", "replicas": len(urls), "attack": attack, "plants": evidence}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"written: {args.out}: {attack['attempts']} attempts, {len(attack['violations'])} violations")

@@ -43,6 +43,9 @@ REASONS = {  # a refusal's reason, from its message
 }
 
 
+OUTCOMES = ("loaded", "refused", "server_error", "skipped")
+
+
 def lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
@@ -69,7 +72,7 @@ def check(folder: Path) -> dict[str, Any]:
     by_trick: dict[str, Counter[str]] = {}
     refusals: Counter[str] = Counter()
     for record in attempts:
-        outcome = by_trick.setdefault(record["trick"], Counter())
+        outcome = by_trick.setdefault(record["trick"], Counter(dict.fromkeys(OUTCOMES, 0)))
         if "skipped" in record:
             outcome["skipped"] += 1
             continue
@@ -103,7 +106,7 @@ def check(folder: Path) -> dict[str, Any]:
             "refusals_by_reason": dict(refusals.most_common()),
             "observations": len(lines(folder / "observations.jsonl")),
             "victim_loads": len(lines(folder / "victim_loads.jsonl")),
-            "violations": violations}
+            "violation_count": len(violations), "violations": violations}
 
 
 def _ledger(folder: Path, victims: dict[str, Any], adversary: str, theirs: set[str],

@@ -32,7 +32,9 @@ from lorafleet_testing.isolation.plants import put_back
 from lorafleet_testing.isolation.tricks import VICTIM_VERSION, Scene
 from lorafleet_testing.waiting import until
 
-ADVERSARY, VICTIMS, TWIN = "mallory", ("alice", "bob"), "carol"  # carol publishes the adversary's own bytes
+# carol publishes the adversary's own bytes; each run registers max_staleness 0 (2 slots): 6, the shared replicas'
+# --max-loras, hold the three
+ADVERSARY, VICTIMS, TWIN = "mallory", ("alice",), "carol"
 MAX_MB = 8  # the harness proxy's PROXY_ADAPTER_MAX_MB: a sparse file past it is cheap to make
 VICTIM_EVERY = 20  # a victim loads again (and every replica is observed) every this many attempts
 
@@ -56,9 +58,14 @@ async def attack(replicas: list[str], root: Path, model: Path, out: Path, plan: 
                                    proxy_health_interval_s=0.5, proxy_lora_load_timeout_s=20,
                                    proxy_canary_interval_s=0, proxy_content_grace_s=0))
     server = await start_server(app)
-    http = httpx.AsyncClient(base_url=server.url, timeout=180)
+    # A fresh connection per request: a kept-alive one the server closed would read as a failure of the proxy.
+    http = httpx.AsyncClient(base_url=server.url, timeout=180, limits=httpx.Limits(max_keepalive_connections=0))
     try:
         await until(lambda: _ready(http), "every replica ready", 180)
+        for tenant in tenants.values():
+            registered = await http.post(f"/runs/{tenant.run}/register", headers=tenant.headers(),
+                                         json={"max_staleness": 0, "weight": 1})
+            assert registered.status_code == 200, registered.text
         for run in VICTIMS:
             await _victim_load(http, tenants[run], 0, out)
         await _record(out / "observations.jsonl", await observe(replicas, 0))
