@@ -75,6 +75,8 @@ def main() -> int:
     parser.add_argument("--plant", choices=PLANTS, help="only attack this planted defect (--attempts, default "
                         f"{PLANT_ATTEMPTS}) and print the verdict: a seed's replay")
     parser.add_argument("--replicas", help="URLs of running replicas (comma-separated) instead of starting two")
+    parser.add_argument("--plants-from", type=Path, help="the planted defects' evidence of an earlier run (a file "
+                        "--plants-out wrote), instead of attacking them again")
     parser.add_argument("--plants-out", type=Path, help="only attack the planted defects; write their evidence here")
     parser.add_argument("--work", type=Path, default=Path("results/isolation-attack"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/isolation-attack.json"))
@@ -95,14 +97,17 @@ def main() -> int:
         # The plants monkeypatch this process's proxy: they run in a process of their own, on the same replicas.
         plants = subprocess.Popen([sys.executable, __file__, "--seed", str(args.seed), "--replicas", ",".join(urls),
                                    "--work", str(work), "--plants-out", str(work / "plants.json")]) \
-            if args.plants else None
+            if args.plants and not args.plants_from else None
         attack = one(urls, work, model, "clean", Attack(args.seed, args.attempts, args.minutes))
         evidence = json.loads((work / "plants.json").read_text()) if plants and plants.wait() == 0 else {}
+        if args.plants_from:
+            evidence = json.loads(args.plants_from.read_text())
     finally:
         for service in services:
             service.stop()
     attack["violations"] = attack["violations"][:50]  # all of them are in the artifacts; the page shows the first
-    result = {RECORD_KEY: run_record(), "device": "cpu", "replicas": len(urls), "attack": attack, "plants": evidence}
+    result = {RECORD_KEY: run_record(), "device": "cpu", "replicas": len(urls), "attack": attack, "plants": evidence,
+              "plants_from": str(args.plants_from) if args.plants_from else None}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"written: {args.out}: {attack['attempts']} attempts, {len(attack['violations'])} violations")

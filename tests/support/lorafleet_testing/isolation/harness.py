@@ -56,7 +56,7 @@ async def attack(replicas: list[str], root: Path, model: Path, out: Path, plan: 
     app = create_app(load_settings(proxy_upstreams=",".join(replicas), adapter_root=str(root),
                                    run_keys_dir=str(out / "keys"), proxy_adapter_max_mb=MAX_MB,
                                    proxy_health_interval_s=0.5, proxy_lora_load_timeout_s=20,
-                                   proxy_canary_interval_s=0, proxy_content_grace_s=0))
+                                   proxy_canary_interval_s=0, proxy_content_grace_s=30))
     server = await start_server(app)
     # A fresh connection per request: a kept-alive one the server closed would read as a failure of the proxy.
     http = httpx.AsyncClient(base_url=server.url, timeout=180, limits=httpx.Limits(max_keepalive_connections=0))
