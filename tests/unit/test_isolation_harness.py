@@ -85,7 +85,7 @@ def test_each_plant_lets_a_victims_bytes_in_where_the_product_refuses_them(tmp_p
     theirs = set(digests(victim).values()) - set(digests(template).values())
     if plant == "reuse-unverified":
         assert not stored_files() & theirs
-        plan(trick, scene, random.Random(1), 1)  # the torn folder again, for the planted run
+        attempt = plan(trick, scene, random.Random(2), 2)  # another content's torn folder, for the planted run
     else:
         with pytest.raises(ContentError, match="not a plain folder"):
             stored_files()

@@ -227,10 +227,11 @@ def _static(trick: str, scene: Scene, mine: Path, theirs: Path, rng: random.Rand
         return str(scene.fresh(VICTIM_VERSION).relative_to(scene.root))
     elif trick == "store-leftover":  # not the tenant's doing: a store folder left torn, named as its next load hashes
         data = bytearray(weights.read_bytes())
-        data[-1] ^= rng.randint(1, 255)  # the last weight's low bits: still a valid adapter, a content never seen
-        weights.write_bytes(bytes(data))
+        data[-4:] = (int.from_bytes(data[-4:], "little") ^ rng.getrandbits(32) | 1).to_bytes(4, "little")
+        weights.write_bytes(bytes(data))  # the last weight's bits: still a valid adapter, a content never seen
         leftover = scene.store / fingerprint(mine).removeprefix(FINGERPRINT_PREFIX)
-        clear(leftover)
+        if leftover.exists():  # the running proxy wrote and checked it: overwriting it is no leftover of a crash
+            raise Skipped("that content's store folder is the running proxy's own")
         shutil.copytree(theirs, leftover)
     elif trick == "unicode-names":
         odd = rng.choice(["%2e%2e/%2e%2e/alice/.vllm_lora/trl-policy-v1", "trl%2Dpolicy-v1", "v\u00e9", "ve\u0301",
