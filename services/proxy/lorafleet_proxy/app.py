@@ -83,7 +83,8 @@ def create_app(settings: ProxySettings, *, transport: httpx.AsyncBaseTransport |
     metrics = Metrics()
     router = Router(settings.proxy_routing, settings.proxy_imbalance, settings.proxy_max_tracked_blocks,
                     settings.proxy_block_size or DEFAULT_BLOCK_SIZE, settings.proxy_route_max_blocks)
-    content = ContentStore(settings.content_store, settings.adapter_root, settings.proxy_content_grace_s)
+    content = ContentStore(settings.content_store, settings.adapter_root, settings.proxy_content_grace_s,
+                           max_bytes=settings.proxy_adapter_max_mb << 20)
     ledger = Ledger(ledger_path(settings.adapter_root), settings.adapter_root, content)
     ledger.restore()
     fleet = Fleet(settings, router, ledger, transport, metrics)

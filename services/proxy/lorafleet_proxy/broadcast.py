@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from lorafleet.adapters import AdapterNameError, AdapterPathError, check_adapter_name, confine, fleet_dir
+from lorafleet.adapters import AdapterNameError, check_adapter_name
 from lorafleet.ledger_format import Entry, LedgerState
 from lorafleet.logs import log_event
 from lorafleet.runs import DEFAULT_RUN
@@ -96,15 +96,9 @@ def _check_load_request(fleet: Fleet, body: dict[str, Any]) -> tuple[str, str] |
                      "InvalidUserInput")
     try:
         check_adapter_name(name)
-        resolved = confine(str(path), fleet.adapter_root)
-    except (AdapterNameError, AdapterPathError) as exc:
+    except AdapterNameError as exc:
         return error(400, str(exc), "InvalidUserInput")
-    fleet_files = fleet_dir(fleet.adapter_root).resolve()
-    if fleet.content.holds(resolved) or resolved == fleet_files or fleet_files in resolved.parents:
-        return error(400, f"lora_path {path!r} lies in the proxy's own folders (the content store "
-                     f"{fleet.content.root} or {fleet_files}): only the proxy names those; load the adapter from the "
-                     "folder it was published to", "InvalidUserInput", "lora_path")
-    return name, str(resolved)
+    return name, str(path)
 
 
 async def load_adapter(fleet: Fleet, body: dict[str, Any], run: str = DEFAULT_RUN,
@@ -122,12 +116,13 @@ async def load_adapter(fleet: Fleet, body: dict[str, Any], run: str = DEFAULT_RU
     if isinstance(stored, JSONResponse):
         return stored
     with fleet.content.pinned(stored):
-        return await _load(fleet, name, Entry(stored.path, stored.fingerprint, run, path), admit)
+        return await _load(fleet, name, Entry(stored.path, stored.fingerprint, run, stored.source), admit)
 
 
 async def _store(fleet: Fleet, path: str) -> Stored | JSONResponse:
-    """Copy the checked adapter folder `path` into the content store (in a thread: the event loop goes on), retrying
-    while it has no adapter_config.json (the volume catching up) until the load's deadline; then a 400."""
+    """Copy the adapter folder `path` (as the route confined it: runs.confinement) into the content store, through the
+    store's one walk (in a thread: the event loop goes on), retrying while it has no adapter_config.json (the volume
+    catching up) until the load's deadline; then a 400. Nothing here resolves `path`: the walk is the check."""
     try:
         return await retry_until(lambda: asyncio.to_thread(fleet.content.ingest, path),
                                  lambda exc: isinstance(exc, NoAdapter), time.monotonic() + fleet.load_timeout_s)

@@ -5,15 +5,22 @@ trainer could swap a directory of the path for a symlink into another run's file
 replica a path a trainer can change: at load it copies the adapter's files into `<store>/<hex>/` (hex: the sha256 of
 `lorafleet.ledger_format.fingerprint`) and the replicas load that folder, which only the proxy writes.
 
-The copy reads through file descriptors opened once: the walk from ADAPTER_ROOT to the adapter's folder opens every
-component with O_NOFOLLOW relative to the one before (a symlink planted anywhere after the check fails the walk), and
-each file is opened relative to the folder's descriptor, with O_NOFOLLOW, and must be a regular file. The files go
-into a temporary folder of the store (a reflink where the filesystem offers one, else a copy hashed on the way), are
-hashed again as written, and the folder is renamed to its hash: a store folder is complete or absent while the
-machine runs, and its name is its content. A folder of that name that already exists holds the same content by
-construction; it is hashed once per proxy start before it is reused. Nothing is fsynced: a power cut may leave a
-folder torn, and that hash check finds it (a restored ledger drops the entry, saying why; a new load replaces the
-folder), and a publish does not wait on the disk four times (`make bench-store-cost`).
+One walk decides and reads (`ingest`), and it is the only way into the store (a load of any run, keyed or not, the
+default run, a restored ledger's migration): it takes the path as written relative to ADAPTER_ROOT (never resolved:
+`lorafleet.adapters.confine`), opens the root once, then each name with openat(dir_fd, name, O_NOFOLLOW|O_DIRECTORY)
+(fstat: a folder, and not the store or `.fleet/`), lists the last folder from its descriptor, and opens each file
+relative to it with O_NOFOLLOW|O_NONBLOCK (a FIFO, device or socket never blocks the open). A file must be regular,
+have one link (a hard link could name another run's file), hold at least one byte and stay within
+PROXY_ADAPTER_MAX_MB; it is read from its descriptor while hashed, and fstat again after the copy: a size, mtime or
+length read that differs means the file changed while it was copied, and the load is refused. So the decision "a
+plain folder of plain files inside the run's own folder" is made on the objects read, with no second resolution of
+any path: a symlink planted anywhere at any moment fails the walk, and a folder swapped after an open changes nothing
+of what was read. The files go into a temporary folder of the store (a reflink where the filesystem offers one, else
+a copy hashed on the way), are hashed again as written, and the folder is renamed to its hash: a store folder is
+complete or absent while the machine runs, and its name is its content. A folder of that name that already exists is
+reused only once it hashed to its name (once per proxy start). Nothing is fsynced: a power cut may leave a folder
+torn, and that hash check finds it (a restored ledger drops the entry, saying why; a new load replaces the folder),
+and a publish does not wait on the disk four times (`make bench-store-cost`).
 
 Garbage collection (`collect`): a folder that no ledger entry names, no load in flight pins and that was last
 ingested or referenced more than the grace period ago is deleted.
@@ -35,8 +42,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
+from lorafleet.adapters import AdapterPathError, confine, fleet_dir
 from lorafleet.ledger_format import CHUNK, CONFIG_FILE, FINGERPRINT_PREFIX, ContentHash, adapter_files
 from lorafleet.logs import log_event
 
@@ -48,6 +56,9 @@ FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), share the source's exten
 HEX_NAME = re.compile(r"^[0-9a-f]{64}$")
 TEMP_PREFIX = ".tmp-"
 FOLDER_MODE, FILE_MODE = 0o755, 0o444  # replicas read; nobody writes a published file again
+NOFOLLOW = os.O_NOFOLLOW  # in every open of the walk (the isolation harness proves a walk without it is caught)
+FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+FILE_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class ContentError(ValueError):
@@ -64,15 +75,17 @@ class Stored:
 
     path: str
     fingerprint: str
+    source: str = ""  # the folder it was copied from, ADAPTER_ROOT/<the path as written>
 
 
 class ContentStore:
     """`<root>/<hex>/` folders copied from adapter folders under `adapter_root`; see the module docstring."""
 
     def __init__(self, root: Path, adapter_root: Path, grace_s: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_bytes: int = 4096 << 20) -> None:
         self.root = root
         self.adapter_root = adapter_root
+        self.max_bytes = max_bytes  # PROXY_ADAPTER_MAX_MB: one adapter's files together
         self.grace_s = grace_s
         self.clock = clock
         # Called with a stage name ("checked": nothing opened yet; "opened": the folder's descriptor is open, no file
@@ -88,12 +101,6 @@ class ContentStore:
     def path_of(self, digest: str) -> str:
         return str(self.root / digest)
 
-    def holds(self, path: str | os.PathLike[str]) -> bool:
-        """Whether `path`, resolved, is the store or lies inside it (a load may never name it)."""
-        real = Path(path).resolve()
-        root = self.root.resolve()
-        return real == root or root in real.parents
-
     def digest_of(self, path: str) -> str | None:
         """The hex name of a store folder path, or None when `path` is not `<root>/<hex>`."""
         candidate = Path(path)
@@ -102,13 +109,19 @@ class ContentStore:
         return candidate.name
 
     # --- ingest -----------------------------------------------------------------------------------
-    def ingest(self, source: str) -> Stored:
-        """Copy the adapter at `source` (a resolved path under ADAPTER_ROOT, checked by the caller) into the store.
+    def ingest(self, path: str | os.PathLike[str]) -> Stored:
+        """Copy the adapter at `path` (as written, relative to ADAPTER_ROOT or absolute under it: the route confined
+        it to the run's folder) into the store through the walk (module docstring).
 
         Blocking: the proxy runs it in a thread. Raises NoAdapter, ContentError."""
+        try:
+            relative = confine(path, self.adapter_root)
+        except AdapterPathError as exc:
+            raise ContentError(str(exc)) from None
+        source = str(self.adapter_root / relative)
         self.root.mkdir(parents=True, exist_ok=True)
         self.stage("checked")
-        folder = self._open_folder(Path(source))
+        folder = self._open_folder(relative, source)
         temp = self.root / f"{TEMP_PREFIX}{secrets.token_hex(8)}"
         try:
             self.stage("opened")
@@ -117,7 +130,7 @@ class ContentStore:
             if copied is not None and copied != digest:
                 raise ContentError(f"the copy of {source} does not hash to what was read ({copied} != {digest})")
             self.stage("copied")
-            stored = self._publish(temp, digest)
+            stored = self._publish(temp, digest, source)
         finally:
             os.close(folder)
             shutil.rmtree(temp, ignore_errors=True)
@@ -125,33 +138,40 @@ class ContentStore:
         self.stage("stored")
         return stored
 
-    def _open_folder(self, source: Path) -> int:
-        """The descriptor of `source`, reached from ADAPTER_ROOT one component at a time, no symlink followed."""
-        root = self.adapter_root.resolve()
+    def _open_folder(self, relative: PurePosixPath, source: str) -> int:
+        """The descriptor of ADAPTER_ROOT/`relative`, opened one name at a time from the root, no symlink followed,
+        never the store or `.fleet/`."""
+        proxy_folders = (self.root, fleet_dir(self.adapter_root))
+        if any(_names(relative, folder, self.adapter_root) for folder in proxy_folders):
+            raise ContentError(self._proxy_folder(source))
+        own = {_identity(folder) for folder in proxy_folders} - {None}  # the same folders by any other name
+        current = os.open(self.adapter_root, FOLDER_FLAGS)
+        walked = self.adapter_root
         try:
-            parts = source.relative_to(root).parts
-        except ValueError:
-            raise ContentError(f"adapter path {source} is not under the adapter root {root}") from None
-        current = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-        walked = root
-        try:
-            for part in parts:
+            for part in relative.parts:
                 walked = walked / part
                 try:
-                    opened = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=current)
+                    opened = os.open(part, FOLDER_FLAGS | NOFOLLOW, dir_fd=current)
                 except FileNotFoundError:
                     raise NoAdapter(f"No adapter found for {source}: {walked} does not exist") from None
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                         raise ContentError(f"adapter path {source}: {walked} is not a plain folder (a symlink or a "
-                                           "file, swapped in after the proxy checked the path?): refused") from None
+                                           "file): refused, a load reads only plain folders of plain files") from None
                     raise ContentError(f"adapter path {source}: cannot open {walked}: {exc}") from None
                 os.close(current)
                 current = opened
+                if _identity(current) in own:
+                    raise ContentError(self._proxy_folder(source))
         except BaseException:
             os.close(current)
             raise
         return current
+
+    def _proxy_folder(self, source: str) -> str:
+        return (f"lora_path {source} lies in the proxy's own folders (the content store {self.root} or "
+                f"{fleet_dir(self.adapter_root)}): only the proxy names those; load the adapter from the folder it "
+                "was published to")
 
     def _copy(self, folder: int, temp: Path, source: str) -> str | None:
         """Copy the adapter's files of `folder` into `temp`; the hex digest of what was read (None: reflinked)."""
@@ -159,23 +179,25 @@ class ContentStore:
         if CONFIG_FILE not in names:
             raise NoAdapter(f"No adapter found for {source}: no {CONFIG_FILE} there")
         os.mkdir(temp, FOLDER_MODE)
-        digest, cloned = ContentHash(), False
+        digest, cloned, budget = ContentHash(), False, self.max_bytes
         for name in names:
+            shown = f"{source}/{name}"
             try:
-                src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+                src = os.open(name, FILE_FLAGS | NOFOLLOW, dir_fd=folder)
             except OSError as exc:
-                raise ContentError(f"adapter file {source}/{name} cannot be opened as a plain file: {exc}") from None
+                raise ContentError(f"adapter file {shown} cannot be opened as a plain file: {exc}") from None
             try:
-                if not stat.S_ISREG(os.fstat(src).st_mode):
-                    raise ContentError(f"adapter file {source}/{name} is not a regular file")
-                dst = os.open(temp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+                before = _plain(os.fstat(src), shown, budget)
+                budget -= before.st_size
+                dst = os.open(temp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
                 try:
                     if _reflink(src, dst):
-                        cloned = True
+                        cloned, length = True, os.fstat(dst).st_size
                     else:
-                        _copy_hashing(src, dst, name, digest)
+                        length = _copy_hashing(src, dst, name, digest)
                 finally:
                     os.close(dst)
+                _unchanged(before, os.fstat(src), length, shown)
             finally:
                 os.close(src)
         return None if cloned else digest.hexdigest()
@@ -190,7 +212,7 @@ class ContentStore:
             digest.end()
         return digest.hexdigest()
 
-    def _publish(self, temp: Path, digest: str) -> Stored:
+    def _publish(self, temp: Path, digest: str, source: str) -> Stored:
         """Rename `temp` to its hash (atomic); an existing folder of that name is reused once it verified."""
         final = self.root / digest
         with self._lock:
@@ -204,7 +226,7 @@ class ContentStore:
                     os.rename(temp, final)
             self._verified.add(digest)
             self._since[digest] = self.clock()  # a fresh grace period for the load that is starting
-        return Stored(str(final), FINGERPRINT_PREFIX + digest)
+        return Stored(str(final), FINGERPRINT_PREFIX + digest, source)
 
     # --- reuse ------------------------------------------------------------------------------------
     def verify(self, path: str) -> str:
@@ -294,11 +316,55 @@ def _reflink(src: int, dst: int) -> bool:
     return True
 
 
-def _copy_hashing(src: int, dst: int, name: str, digest: ContentHash) -> None:
+def _identity(path: Path | int) -> tuple[int, int] | None:
+    """(device, inode) of `path` or of an open descriptor; None when it does not exist."""
+    try:
+        info = os.fstat(path) if isinstance(path, int) else os.stat(path)
+    except FileNotFoundError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def _names(relative: PurePosixPath, folder: Path, root: Path) -> bool:
+    """Whether `relative` (under `root`) names `folder` or something in it, as written."""
+    try:
+        parts = confine(folder, root).parts
+    except AdapterPathError:
+        return False  # the folder lies outside the root: the walk never reaches it
+    return relative.parts[:len(parts)] == parts
+
+
+def _plain(info: os.stat_result, shown: str, budget: int) -> os.stat_result:
+    """`info` when it is a file a load may copy: regular, one link, not empty, within what is left of the bound."""
+    if not stat.S_ISREG(info.st_mode):
+        raise ContentError(f"adapter file {shown} is not a regular file (a FIFO, device, socket or folder): refused")
+    if info.st_nlink != 1:
+        raise ContentError(f"adapter file {shown} has {info.st_nlink} hard links: refused, a load copies only files "
+                           "that exist once (a hard link could name another run's file)")
+    if info.st_size == 0:
+        raise ContentError(f"adapter file {shown} is empty: refused")
+    if info.st_size > budget:
+        raise ContentError(f"adapter file {shown} ({info.st_size} bytes) passes what is left of PROXY_ADAPTER_MAX_MB "
+                           f"for this adapter ({max(budget, 0)} bytes): refused")
+    return info
+
+
+def _unchanged(before: os.stat_result, after: os.stat_result, length: int, shown: str) -> None:
+    """Refuse a file that changed while it was copied: its size or mtime moved, or another length was read."""
+    if (after.st_size, after.st_mtime_ns, length) != (before.st_size, before.st_mtime_ns, before.st_size):
+        raise ContentError(f"adapter file {shown} changed while it was copied ({before.st_size} bytes before, "
+                           f"{length} read, {after.st_size} after): refused, publish a version once it is complete")
+
+
+def _copy_hashing(src: int, dst: int, name: str, digest: ContentHash) -> int:
+    """Copy `src` to `dst` hashing what is read; the number of bytes copied."""
     digest.start(name)
+    length = 0
     while chunk := os.read(src, CHUNK):
         digest.update(chunk)
+        length += len(chunk)
         view = memoryview(chunk)
         while view:
             view = view[os.write(dst, view):]
     digest.end()
+    return length

@@ -13,7 +13,9 @@ hold (`Fleet` does that at its first health round where replicas answer).
 
 A restored ledger trusts no folder it cannot check: an entry whose store folder is missing, or whose content does not
 hash to its name, is dropped with the reason logged (the replicas' lists are not evidence). An entry of an older file
-(a run-folder path) is copied into the store now, and kept only when the copy has the fingerprint it was loaded with.
+(a run-folder path) is copied into the store now, through the store's one walk confined to the entry's run's folder
+(the default run's: the adapter root, as a fleet without run keys), and kept only when the copy has the fingerprint it
+was loaded with.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from lorafleet.adapters import content_dir
+from lorafleet.adapters import AdapterPathError, content_dir
 from lorafleet.ledger_format import Entry, LedgerFileError, LedgerState, RunRecord, ledger_path, read, write
+from lorafleet.runs import DEFAULT_RUN
 
 from .content_store import ContentError, ContentStore
+from .runs.confinement import confine_load
 
 __all__ = ["Ledger", "LedgerWriteError", "ledger_path"]
 
@@ -81,8 +85,9 @@ class Ledger:
             why = "" if legacy else self.content.verify(entry.path)
             if legacy:
                 try:
-                    stored = self.content.ingest(entry.path)
-                except ContentError as exc:
+                    folders = None if entry.run == DEFAULT_RUN else [entry.run]
+                    stored = self.content.ingest(confine_load(entry.path, self.adapter_root, folders, entry.run))
+                except (ContentError, AdapterPathError) as exc:
                     why = f"its files cannot be copied into the content store: {exc}"
                 else:
                     if entry.fingerprint and stored.fingerprint != entry.fingerprint:

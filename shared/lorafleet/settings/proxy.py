@@ -59,6 +59,10 @@ class ProxySettings(CommonSettings, ReplicaKey):
         120.0, ge=0, description="A content-store folder no ledger entry names any more is deleted once it was "
         "idle this long (a load in flight that reads it keeps it).",
     )
+    proxy_adapter_max_mb: int = Field(
+        4096, ge=1, description="The most one adapter's files may hold together (MiB); a load naming more, or a sparse "
+        "or huge file, is refused with a 400 before any byte is copied into the content store.",
+    )
     proxy_min_ready: int = Field(1, ge=1, description="Ready replicas needed for the proxy's /health to be 200.")
     proxy_health_interval_s: float = Field(2.0, gt=0, description="Seconds between health checks of each replica.")
     proxy_eject_after: int = Field(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import stat
 import tempfile
 from pathlib import Path
 
@@ -36,7 +38,8 @@ def folders(store: ContentStore) -> set[str]:
 
 
 @settings(max_examples=40, deadline=None)
-@given(files=st.dictionaries(FILE_NAMES, st.binary(max_size=3000), max_size=5), config=st.binary(max_size=200))
+@given(files=st.dictionaries(FILE_NAMES, st.binary(min_size=1, max_size=3000), max_size=5),
+       config=st.binary(min_size=1, max_size=200))
 def test_any_set_of_files_is_stored_as_the_fingerprint_sees_it(files: dict[str, bytes], config: bytes) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -243,3 +246,72 @@ def test_a_clone_is_used_where_the_filesystem_offers_one_and_hashed_as_written(
     monkeypatch.setattr(module, "_reflink", clone)
     stored = make_store(tmp_path).ingest(str(publish(tmp_path / SOURCE, b"weights")))
     assert len(clones) == 2 and stored.fingerprint == fingerprint(stored.path) == fingerprint(tmp_path / SOURCE)
+
+
+def _plant(weights: Path, theirs: Path, kind: str) -> None:
+    """Put `kind` of file where run r's weights were."""
+    weights.unlink()
+    if kind == "hard link":
+        os.link(theirs / "adapter_model.safetensors", weights)
+    elif kind == "device":
+        try:
+            os.mknod(weights, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("mknod needs root")
+    elif kind == "socket":
+        short = Path(tempfile.mkdtemp(prefix="s")) / "s"
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(short))
+        os.rename(short, weights)
+        short.parent.rmdir()
+    elif kind == "empty":
+        weights.write_bytes(b"")
+    else:  # sparse and huge: past PROXY_ADAPTER_MAX_MB without a byte on disk
+        weights.write_bytes(b"w")
+        os.truncate(weights, 2 << 20)
+
+
+@pytest.mark.parametrize(("kind", "why"), [("hard link", "hard links"), ("device", "not a regular file"),
+                                           ("socket", "cannot be opened as a plain file"), ("empty", "is empty"),
+                                           ("sparse", "PROXY_ADAPTER_MAX_MB")])
+def test_a_file_a_load_may_not_copy_is_refused_naming_it(tmp_path: Path, kind: str, why: str) -> None:
+    mine, theirs = _two_runs(tmp_path)
+    _plant(mine / "adapter_model.safetensors", theirs, kind)
+    store = make_store(tmp_path, max_bytes=1 << 20)
+    with pytest.raises(ContentError, match=why) as refused:
+        store.ingest(SOURCE)
+    assert f"{mine}/adapter_model.safetensors" in str(refused.value)
+    assert folders(store) == set(), "something was stored"
+
+
+@pytest.mark.parametrize("how", ["grow", "shrink"])
+def test_a_file_that_changes_while_it_is_copied_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           how: str) -> None:
+    """The copy reads the file while the trainer still writes it: the fstat after the copy tells."""
+    import lorafleet_proxy.content_store as module
+
+    mine, _ = _two_runs(tmp_path)
+    copy = module._copy_hashing
+
+    def changing(src: int, dst: int, name: str, digest: object) -> int:
+        if name == "adapter_model.safetensors":
+            with open(mine / name, "ab" if how == "grow" else "r+b") as handle:
+                handle.write(b"more") if how == "grow" else handle.truncate(3)
+        return copy(src, dst, name, digest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "_copy_hashing", changing)
+    store = make_store(tmp_path)
+    with pytest.raises(ContentError, match="changed while it was copied"):
+        store.ingest(SOURCE)
+    assert folders(store) == set()
+
+
+@pytest.mark.parametrize("where", [".content", ".fleet/x", "runs/r/../../.content/00", "alias/x"])
+def test_the_proxys_own_folders_are_refused_by_name_and_by_what_they_are(tmp_path: Path, where: str) -> None:
+    """By name before anything is opened, and by (device, inode) for another name of the same folder."""
+    publish(tmp_path / ".content/00", b"stored")
+    publish(tmp_path / ".fleet/x", b"ledger's folder")
+    (tmp_path / "alias").symlink_to(tmp_path / ".fleet")
+    store = make_store(tmp_path)
+    with pytest.raises(ContentError, match=r"the proxy's own folders|not a plain folder"):
+        store.ingest(where)

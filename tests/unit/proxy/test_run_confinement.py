@@ -1,60 +1,65 @@
-"""A run loads adapters only from its own folder (runs/confinement.py), whatever form the path takes.
+"""A run loads adapters only from its own folder (runs/confinement.py and the content store's walk), whatever form
+the path takes.
 
 The tree below has each kind of trap a run could use to reach another run's weights: another run's adapter and
 checkpoint, symlinks into them (absolute and relative), a symlink out of the root, a run folder that is itself a
 symlink to another run's, a folder whose name starts like the run's (`bb` beside `b`), and names that look
-URL-encoded (neither the proxy nor vLLM decodes them: they are literal names). Every anchor's true owner is written
-down by hand; hypothesis writes each anchor in many forms (absolute, relative, `./`, doubled slashes, detours through
-`..` and other folders, out of the root and back in, trailing slashes) and the rule must accept exactly the anchors
-whose owner the run may load from, and answer the rest with a vLLM-style 4xx before anything changes.
+URL-encoded (neither the proxy nor vLLM decodes them: they are literal names). Every anchor's folder as written and
+whether a symlink lies on its way are written down by hand; hypothesis writes each anchor in many forms (absolute,
+relative, `./`, doubled slashes, detours through `..` and other folders, out of the root and back in, trailing
+slashes) and the route's rule plus the store's walk must read exactly the anchors in a folder the run may load from
+with no symlink on the way (each folder's config is its own name, so the fingerprint says which folder was read),
+and answer the rest with a refusal before any byte is stored.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import httpx
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from lorafleet.adapters import AdapterPathError
+from lorafleet.ledger_format import fingerprint
 from lorafleet.run_key_store import provision
 from lorafleet.runs import DEFAULT_RUN
 from lorafleet.settings import StackSettings, load_settings
 from lorafleet_proxy.app import create_app
+from lorafleet_proxy.content_store import ContentError, ContentStore, NoAdapter
 from lorafleet_proxy.runs.confinement import OutsideRunFolder, confine_load, load_folders
 
-OUTSIDE = "<outside>"  # an anchor whose real place is outside the adapter root
 NON_RUN = "<non-run>"  # an anchor in the root's non-run part (models/, ...)
-# anchor (relative to the root) -> the folder under runs/ it really lies in, symlinks followed
+# anchor (relative to the root) -> (the folder under runs/ it names as written, no symlink on the way)
 ANCHORS = {
-    "runs/a/.vllm_lora/trl-policy-v1": "a",
-    "runs/a/checkpoint-4": "a",
-    "runs/a": "a",
-    "runs/b/.vllm_lora/trl-policy-v1": "b",
-    "runs/b/.vllm_lora/not-published-yet": "b",
-    "runs/b/.vllm_lora/to-a": "a",  # absolute symlink to a's adapter
-    "runs/b/rel-to-a": "a",  # relative symlink to a's checkpoint
-    "runs/b/out": OUTSIDE,  # symlink out of the root
-    "runs/b/.vllm_lora/%2e%2e/%2e%2e/a": "b",  # literal names in b's folder, not `..`
-    "runs%2Fa%2F.vllm_lora": NON_RUN,  # one literal name at the root
-    "runs/bb/.vllm_lora/x": "bb",
-    "runs/c/.vllm_lora/trl-policy-v1": "a",  # runs/c is a symlink to runs/a
-    "runs/run1/.vllm_lora/trl-policy-v1": "run1",
-    "models/tiny": NON_RUN,
+    "runs/a/.vllm_lora/trl-policy-v1": ("a", True),
+    "runs/a/checkpoint-4": ("a", True),
+    "runs/a": ("a", True),
+    "runs/b/.vllm_lora/trl-policy-v1": ("b", True),
+    "runs/b/.vllm_lora/not-published-yet": ("b", True),
+    "runs/b/.vllm_lora/to-a": ("b", False),  # absolute symlink to a's adapter
+    "runs/b/rel-to-a": ("b", False),  # relative symlink to a's checkpoint
+    "runs/b/out": ("b", False),  # symlink out of the root
+    "runs/b/.vllm_lora/%2e%2e/%2e%2e/a": ("b", True),  # literal names in b's folder, not `..`
+    "runs%2Fa%2F.vllm_lora": (NON_RUN, True),  # one literal name at the root
+    "runs/bb/.vllm_lora/x": ("bb", True),
+    "runs/c/.vllm_lora/trl-policy-v1": ("c", False),  # runs/c is a symlink to runs/a
+    "runs/run1/.vllm_lora/trl-policy-v1": ("run1", True),
+    "models/tiny": (NON_RUN, True),
 }
 DETOURS = ["", "./", "runs/../", "runs/b/../../", "models/tiny/../../", "runs/c/../../", "../{root}/"]
+PLAIN = ["runs/a/.vllm_lora/trl-policy-v1", "runs/a/checkpoint-4", "runs/b/.vllm_lora/trl-policy-v1",
+         "runs/b/.vllm_lora/%2e%2e/%2e%2e/a", "runs%2Fa%2F.vllm_lora", "runs/bb/.vllm_lora/x",
+         "runs/run1/.vllm_lora/trl-policy-v1", "models/tiny"]
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("confinement").resolve()
     root, outside = base / "adapters", base / "elsewhere"
-    for folder in ("runs/a/.vllm_lora/trl-policy-v1", "runs/a/checkpoint-4", "runs/b/.vllm_lora/trl-policy-v1",
-                   "runs/bb/.vllm_lora/x", "runs/run1/.vllm_lora/trl-policy-v1", "models/tiny"):
+    for folder in PLAIN:
         (root / folder).mkdir(parents=True)
-        (root / folder / "adapter_config.json").write_text("{}")
+        (root / folder / "adapter_config.json").write_text(folder)  # its fingerprint names the folder
+    (root / "runs/b/.vllm_lora/not-published-yet").mkdir(parents=True)
     (outside / "x").mkdir(parents=True)
     (root / "runs/b/.vllm_lora/to-a").symlink_to(root / "runs/a/.vllm_lora/trl-policy-v1")
     (root / "runs/b/rel-to-a").symlink_to("../a/checkpoint-4")
@@ -71,6 +76,7 @@ def written(root: Path, anchor: str, absolute: bool, detour: str, doubled: bool,
     return (f"{root}/" if absolute else "") + body + trailing
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize(("run", "keyed", "presented", "allowed"), [
     ("b", None, None, {"b"}),  # a named run: its folder, keys or not
     ("c", None, None, {"c"}),  # a run folder that is a symlink to another run's opens nothing
@@ -79,32 +85,44 @@ def written(root: Path, anchor: str, absolute: bool, detour: str, doubled: bool,
     (DEFAULT_RUN, {"a", "b"}, "b", {"run1", "b"}),  # and the folder of the run whose key it presents
     (DEFAULT_RUN, {"run1"}, None, set()),  # RUN_NAME is a keyed run's: the keyless default run has no folder
 ])
+@settings(deadline=None)
 @given(anchor=st.sampled_from(sorted(ANCHORS)), absolute=st.booleans(), detour=st.sampled_from(DETOURS),
        doubled=st.booleans(), trailing=st.sampled_from(["", "/", "/."]))
-def test_a_run_loads_exactly_from_its_own_folder_whatever_the_path_form(
+def test_a_run_reads_exactly_its_own_plain_folders_whatever_the_path_form(
         root: Path, run: str, keyed: set[str] | None, presented: str | None, allowed: set[str] | None,
         anchor: str, absolute: bool, detour: str, doubled: bool, trailing: str) -> None:
     path = written(root, anchor, absolute, detour, doubled, trailing)
     folders = load_folders(run, "run1", keyed, presented)
     assert (folders is None) == (allowed is None) and (folders is None or set(folders) == allowed)
-    owner = ANCHORS[anchor]
-    if owner == OUTSIDE:
-        with pytest.raises(AdapterPathError, match="outside the adapter root"):
-            confine_load(path, root, folders, "run x")
-    elif allowed is None or owner in allowed:
-        assert confine_load(path, root, folders, "run x") == Path(os.path.realpath(root / anchor))
-    else:
+    owner, plain = ANCHORS[anchor]
+    store = ContentStore(root / ".content", root)
+    if allowed is not None and owner not in allowed:
         with pytest.raises(OutsideRunFolder, match=r"outside the folder of run x .* a run loads adapters only from its "
                            r"own folder ADAPTER_ROOT/runs/<run>/, never another run's adapters or checkpoints"):
             confine_load(path, root, folders, "run x")
+        return
+    relative = confine_load(path, root, folders, "run x")
+    assert relative.as_posix() == anchor
+    if not plain:
+        with pytest.raises(ContentError, match="is not a plain folder"):
+            store.ingest(relative)
+    elif anchor in PLAIN:
+        assert store.ingest(relative).fingerprint == fingerprint(root / anchor)
+    else:
+        with pytest.raises(NoAdapter):
+            store.ingest(relative)
 
 
+@pytest.mark.timeout(60)
 def test_the_refusal_names_the_folder_and_keeps_the_path_as_given(root: Path) -> None:
     with pytest.raises(OutsideRunFolder) as refused:
-        confine_load("runs/b/rel-to-a", root, ["b"], "run 'b'")
+        confine_load("runs/a/../b/../a/checkpoint-4", root, ["b"], "run 'b'")
     message = str(refused.value)
-    assert f"{root}/runs/b/" in message and "'runs/b/rel-to-a'" in message
-    assert "checkpoint-4" not in message, "the refusal does not reveal where another run's symlink points"
+    assert f"{root}/runs/b/" in message and "'runs/a/../b/../a/checkpoint-4'" in message
+    with pytest.raises(ContentError) as walked:
+        ContentStore(root / ".content", root).ingest(confine_load("runs/b/rel-to-a", root, ["b"], "run 'b'"))
+    assert "runs/b/rel-to-a" in str(walked.value)
+    assert "checkpoint-4" not in str(walked.value), "the refusal does not reveal where another run's symlink points"
     with pytest.raises(OutsideRunFolder, match="none on this fleet"):
         confine_load("runs/run1", root, [], "the default run")
 
@@ -127,7 +145,7 @@ async def test_a_cross_run_load_is_a_403_in_vllms_body_and_reaches_no_replica(ro
     minted = {run: provision(keys, run) for run in ("a", "b")}
     app = create_app(settings_for(root, run_keys_dir=str(keys)))
     for run, path, key in [("b", f"{root}/runs/a/checkpoint-4", minted["b"]),
-                           ("b", "runs/b/.vllm_lora/to-a", minted["b"]),
+                           ("b", "runs/b/../a/checkpoint-4", minted["b"]),
                            (DEFAULT_RUN, "runs/a/.vllm_lora/trl-policy-v1", ""),
                            (DEFAULT_RUN, "runs/a/.vllm_lora/trl-policy-v1", minted["b"])]:
         answer = await load(app, path, run, key)

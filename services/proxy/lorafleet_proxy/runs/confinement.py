@@ -10,16 +10,17 @@ adapter root under its own name (another run's published adapters or checkpoints
   folder (a named run's trainer runs the doctor's fleet-wide probe as the default run, with its key). A RUN_NAME
   that is a keyed run's name gives the keyless default run no folder at all.
 
-The path is resolved first (`..`, symlinks; relative paths are taken from the root); the run folders are not: a run
-folder that is itself a symlink opens nothing. The resolved path is what the replicas are sent, so what was checked is
-what they read.
+The path is read as written (`lorafleet.adapters.confine`: `..` lexically, nothing resolved) and the rule is a
+comparison of names: `runs/<run>/...`. It holds for the bytes read because the proxy's one walk
+(content_store.py) opens exactly these names from the adapter root, each with O_NOFOLLOW: a symlink at any
+component (a run folder that is a symlink to another run's, a version folder swapped for one) opens nothing.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Collection, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from lorafleet.adapters import AdapterPathError, confine, run_dir
 from lorafleet.runs import DEFAULT_RUN
@@ -42,18 +43,18 @@ def load_folders(run: str, run_name: str, keyed: Collection[str] | None, present
     return own + ([presented] if presented and presented not in own else [])
 
 
-def confine_load(path: str, root: str | os.PathLike[str], folders: Sequence[str] | None, who: str) -> Path:
-    """`path` resolved, when it lies in one of `folders` under `root/runs/` (None: anywhere under `root`).
+def confine_load(path: str, root: str | os.PathLike[str], folders: Sequence[str] | None, who: str) -> PurePosixPath:
+    """`path` relative to `root` as the walk will open it, when it names one of `folders` under `runs/` (None:
+    anywhere under `root`).
 
     Raises AdapterPathError outside the root, OutsideRunFolder outside the folders; `who` names the run in the
     message."""
-    resolved = confine(path, root)
-    if folders is None:
-        return resolved
-    bases = [run_dir(Path(root).resolve(), folder) for folder in folders]
-    if any(resolved == base or base in resolved.parents for base in bases):
-        return resolved
+    relative = confine(path, root)
+    if folders is None or (relative.parts[:1] == ("runs",) and relative.parts[1:2] in [(f,) for f in folders]):
+        return relative
+    bases = [run_dir(Path(root), folder) for folder in folders]
     allowed = " or ".join(f"{base}/" for base in bases) or "none on this fleet (RUN_NAME is a keyed run's name)"
     raise OutsideRunFolder(
-        f"lora_path {path!r} is outside the folder of {who} ({allowed}), with '..' and symlinks followed: a run loads "
-        "adapters only from its own folder ADAPTER_ROOT/runs/<run>/, never another run's adapters or checkpoints")
+        f"lora_path {path!r} is outside the folder of {who} ({allowed}), read as written ('..' applied, symlinks "
+        "never followed): a run loads adapters only from its own folder ADAPTER_ROOT/runs/<run>/, never another "
+        "run's adapters or checkpoints")

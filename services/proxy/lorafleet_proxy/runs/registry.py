@@ -231,8 +231,9 @@ class Runs:
 
     # --- admission -------------------------------------------------------------------------------
     def confine_load(self, scope: Scope, path: str) -> str | JSONResponse:
-        """The resolved `lora_path` a load by the request's run may read (confinement.py): 400 outside the adapter
-        root, 403 outside the run's folder; either before anything changes."""
+        """`lora_path` relative to ADAPTER_ROOT, read as written, when a load by the request's run may name it
+        (confinement.py): 400 outside the adapter root, 403 outside the run's folder; either before anything changes.
+        Nothing is resolved here: the content store's walk opens exactly these names (content_store.py)."""
         run = run_of_scope(scope)
         folders = load_folders(run, self.settings.run_name, self.keys.keyed(), self.keys.owner(scope))
         who = "the default run" if run == DEFAULT_RUN else f"run {run!r}"
@@ -242,7 +243,7 @@ class Runs:
             log.warning("load refused run=%s path=%r: outside the run's folder", run, path)
             return error(403, str(exc), "Forbidden", "lora_path")
         except AdapterPathError as exc:
-            return error(400, str(exc), "InvalidUserInput")
+            return error(400, str(exc), "InvalidUserInput", "lora_path")
 
     def load_admission(self, run: str, qualified: str) -> Callable[[LedgerState], JSONResponse | None]:
         """What a load of `qualified` by `run` checks under the fleet lock: the run fits, and holds no more
