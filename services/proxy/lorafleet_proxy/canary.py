@@ -147,7 +147,7 @@ class Verdict:
     odd: list[str] = field(default_factory=list)  # replica URLs whose answer departs
     decided: bool = True
     why: str = ""
-    noise: list[float] = field(default_factory=list)  # distances to a majority's answer of those that agreed
+    noise: list[float] = field(default_factory=list)  # the round's distances: to a majority's answer, or between two
 
 
 class Canary:
@@ -223,7 +223,7 @@ class Canary:
             agreed = answers[largest[0]]
             self.references[key] = agreed
             verdict = self._verdict(answers, agreed, tolerance, "the majority")
-            verdict.noise = [answers[url].distance(agreed) for url in largest[1:]]
+            verdict.noise = [answer.distance(agreed) for url, answer in answers.items() if url != largest[0]]
             return verdict
         if reference is not None:
             return self._verdict(answers, reference, tolerance, "the reference")
@@ -231,8 +231,9 @@ class Canary:
             self.references[key] = next(iter(answers.values()))
             return Verdict()
         self.metrics.canary_undecided.inc()
+        first, *others = answers.values()
         return Verdict(decided=False, why=f"{len(answers)} replicas answer differently and no reference can tell "
-                       "which is right")
+                       "which is right", noise=[first.distance(other) for other in others])
 
     def agrees_with_reference(self, key: Key, answer: CanaryAnswer, tolerance: float) -> bool | None:
         """A lone replica's answer against the subject's reference (None: no reference yet)."""

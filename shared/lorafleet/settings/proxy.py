@@ -118,7 +118,7 @@ class ProxySettings(CommonSettings, ReplicaKey):
     proxy_canary_logprob_tolerance: float | None = Field(
         None, ge=0, description="Largest mean log-probability difference per scored token between two replicas' "
         "canary answers that still counts as the same weights. Unset: ten times the noise the proxy measures between "
-        "agreeing replicas, at least 0.002 and at most the dtype's fixed bound, 0.02 in float32 and 0.1 in bfloat16 "
+        "replicas' answers, at least 0.002 and at most the dtype's fixed bound, 0.02 in float32 and 0.1 in bfloat16 "
         "or float16, which holds until it has measured any (docs/concepts/provenance.md#the-tolerance).",
     )
     proxy_canary_timeout_s: float = Field(

@@ -1,5 +1,6 @@
 """The canary's measured tolerance (canary_tolerance.py): the fixed bound until the fleet has measured its noise,
-then ten times that noise within [floor, bound]; what departs never loosens it; the setting replaces it."""
+then ten times that noise within [floor, bound]; it follows the noise up as traffic grows; what departs beyond the
+fixed bound never loosens it; the setting replaces it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lorafleet.settings import load_settings
 from lorafleet_proxy.canary import FLOAT32_TOLERANCE, HALF_TOLERANCE, Canary, CanaryAnswer
-from lorafleet_proxy.canary_tolerance import FLOORS, MARGIN, MIN_SAMPLES, MeasuredTolerance
+from lorafleet_proxy.canary_tolerance import FLOOR, MARGIN, MIN_SAMPLES, MeasuredTolerance
 from lorafleet_proxy.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,18 +43,31 @@ def test_the_h100s_bf16_noise_gives_a_tolerance_that_other_weights_cannot_pass()
 def test_the_tolerance_stays_between_the_floor_and_the_fixed_bound(noise: list[float], full: bool) -> None:
     measured = MeasuredTolerance(CEILINGS)
     measured.learn(full, noise)
-    assert min(FLOORS[full], CEILINGS[full]) <= measured.tolerance(full) <= CEILINGS[full]
+    assert min(FLOOR, CEILINGS[full]) <= measured.tolerance(full) <= CEILINGS[full]
 
 
 @given(noise=st.lists(st.floats(0, 0.001), min_size=MIN_SAMPLES, max_size=200),
-       departures=st.lists(st.floats(0.02, 10.0), min_size=1, max_size=200))
-def test_what_departs_never_loosens_it(noise: list[float], departures: list[float]) -> None:
-    """A replica serving other weights answers beyond the tolerance: however often, that teaches nothing."""
+       departures=st.lists(st.floats(HALF_TOLERANCE * 1.0001, 10.0), min_size=1, max_size=200))
+def test_what_departs_beyond_the_fixed_bound_never_loosens_it(noise: list[float], departures: list[float]) -> None:
+    """A replica serving other weights far off (the base model for an adapter): however often, that teaches nothing."""
     measured = MeasuredTolerance(CEILINGS)
     measured.learn(False, noise)
     before = measured.tolerance(False)
-    measured.learn(False, [d for d in departures if d > before])
+    measured.learn(False, departures)
     assert measured.tolerance(False) == before
+
+
+def test_a_tolerance_learnt_while_idle_follows_the_noise_up_when_traffic_grows() -> None:
+    """The GPU demo with SmolLM2 in bf16 (2026-12-07): the first rounds, before traffic, agreed to the last digit;
+    then batch traffic moved the answers by up to 0.089 nats. Gated by itself the tolerance stayed at the floor and
+    every third load was undecided; the distances those rounds measured teach it instead."""
+    measured = MeasuredTolerance(CEILINGS)
+    measured.learn(False, [0.0] * 40)
+    assert measured.tolerance(False) == FLOOR
+    rng = random.Random(2)
+    for _ in range(30):  # rounds under traffic: two replicas' distances, beyond the floor, within the fixed bound
+        measured.learn(False, [rng.uniform(0.0, 0.089)])
+    assert measured.tolerance(False) == HALF_TOLERANCE > 0.089
 
 
 def test_the_setting_replaces_the_measured_tolerance() -> None:
@@ -62,7 +76,7 @@ def test_the_setting_replaces_the_measured_tolerance() -> None:
     assert measured.tolerance(False) == measured.tolerance(True) == 0.3
 
 
-def test_a_judged_majority_gives_the_agreeing_distances_as_noise(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_judged_round_gives_its_distances_as_noise(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAFLEET_ENV_FILE", "")
     canary = Canary(load_settings(), Metrics())
     good = CanaryAnswer(("a", "b"), (-1.0, -2.0))
@@ -70,6 +84,9 @@ def test_a_judged_majority_gives_the_agreeing_distances_as_noise(monkeypatch: py
     other = CanaryAnswer(("a", "b"), (-1.5, -2.5))
     verdict = canary.judge(("adapter", "fp"), {"r1": good, "r2": near, "r3": good, "r4": other}, 0.1)
     assert verdict.odd == ["r4"]
-    assert sorted(verdict.noise) == pytest.approx([0.0, 0.0002]), "the odd one is no noise sample"
+    assert sorted(verdict.noise) == pytest.approx([0.0, 0.0002, 0.5])
     canary.learn(["torch.bfloat16"] * 4, verdict)
-    assert canary.measured.samples[False] and not canary.measured.samples[True]
+    assert sorted(canary.measured.samples[False]) == pytest.approx([0.0, 0.0002]), "beyond the fixed bound: no noise"
+    assert not canary.measured.samples[True]
+    undecided = canary.judge(("adapter", "other"), {"r1": good, "r2": near}, 0.0001)
+    assert not undecided.decided and undecided.noise == pytest.approx([0.0002]), "two that disagree: their distance"
