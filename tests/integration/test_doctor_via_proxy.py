@@ -86,7 +86,12 @@ async def test_trainer_doctor_passes_through_the_proxy_alone(fleet, tiny_model: 
     results = await run_doctor(settings, settings.trainer_vllm_url)
     table = render_table(results)
     checks = {result.name: result for result in results}
-    assert not [r for r in results if r.status in (Status.FAIL, Status.WARN)], table
+    # The fakes answer as vLLM's key middleware does, not as lorafleet's attestation extension: the proxy shows them
+    # unattested, and the doctor's fleet check warns so (test_attestation.py). Any other warning is a failure here.
+    unattested = checks["fleet"].status is Status.WARN and all(
+        "is unattested" in part for part in checks["fleet"].reason.split(";")[1:])
+    assert not [r for r in results if r.status is Status.FAIL or (r.status is Status.WARN and not (
+        r.name == "fleet" and unattested))], table
     assert "2 seen via the proxy" in checks["lora_enabled"].reason, table
     assert "all 2 replica(s)" in checks["adapter_root"].reason, table
     assert "load, unload, pause, resume through the proxy observed on all 2" in checks["broadcasts"].reason, table
