@@ -60,7 +60,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "cpu": {"publish_samples": 2, "sync": ["--syncs", "2", "--rounds", "1", "--interval-s", "0.5", "--warmup-s", "1",
                                            "--concurrency", "2", "--prompt-tokens", "16", "--max-tokens", "8"],
             "turns": ["--episodes", "2", "--rounds", "1", "--turns", "2"],
-            "pipeline": ["--steps", "3", "--setting", "MAX_COMPLETION_LENGTH=8", "--setting", "TOKEN_BUDGET=512",
+            "pipeline": ["--steps", "5", "--setting", "MAX_COMPLETION_LENGTH=8", "--setting", "TOKEN_BUDGET=512",
                          "--setting", "GRADIENT_ACCUMULATION_STEPS=1", "--setting", "NUM_GENERATIONS=2",
                          "--setting", "MAX_MODEL_LEN=512", "--setting", "MAX_INFLIGHT_PER_REPLICA=8"]},
 }

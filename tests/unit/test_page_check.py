@@ -45,3 +45,9 @@ def test_a_file_the_page_never_reads_fails(folders: tuple[Path, Path, Path]) -> 
     (rehearsal / "bench-y.json").write_text("{}")
     assert check(page, [rehearsal / "bench-x.json", rehearsal / "bench-y.json"], committed) == [
         f"{page} does not read bench-y.json"]
+
+
+def test_a_file_the_rehearsal_did_not_write_is_named(folders: tuple[Path, Path, Path]) -> None:
+    page, committed, rehearsal = folders
+    assert check(page, [rehearsal / "bench-x.json"], committed) == [
+        f"{rehearsal / 'bench-x.json'} was not written (its step failed?)"]

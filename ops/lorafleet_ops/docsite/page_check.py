@@ -36,6 +36,9 @@ class ReadingResults(Results):
 
 def check(page: Path, files: list[Path], committed: Path) -> list[str]:
     """What is wrong with `page` read against `files` laid over `committed` (empty: nothing)."""
+    missing = [f"{file} was not written (its step failed?)" for file in files if not file.is_file()]
+    if missing:
+        return missing
     with tempfile.TemporaryDirectory() as folder:
         shutil.copytree(committed, folder, dirs_exist_ok=True)
         for file in files:
