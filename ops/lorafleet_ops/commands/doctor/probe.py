@@ -32,8 +32,10 @@ log = logging.getLogger("lorafleet.doctor")
 Replica = VLLMClient | ProxiedReplica  # a replica asked directly, or one only the proxy reaches
 
 PROBE_PROMPT = "the red fox"
-# Looks at the replicas while another client keeps pausing or resuming the fleet, before giving up on one that holds.
-OBSERVE_TRIES = 3
+# Looks at the replicas while another client keeps pausing or resuming the fleet, before giving up on one that holds:
+# up to 2 s, since a broadcast still on its way took longer than 3 looks (0.6 s) on a 2-core machine at load 25 (CI's
+# doctor-beside-pausers test); a healthy fleet answers at the first look, a replica the broadcast missed still fails.
+OBSERVE_TRIES = 10
 OBSERVE_PAUSE_S = 0.2
 UNREAD = object()  # the proxy's pause state could not be read
 PROBE_GENERATE_TIMEOUT_S = 120.0
