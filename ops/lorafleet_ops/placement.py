@@ -131,9 +131,14 @@ def card_gib_of(gpus: Sequence[int], query: Callable[[], list[Gpu]] = nvidia_gpu
 def place(requested: Sequence[int] | None, replicas: int, trainer: TrainerPolicy = "auto",
           trainer_reserve: float = DEFAULT_TRAINER_RESERVE, query: Callable[[], list[Gpu]] = nvidia_gpus,
           option: str = "--gpus") -> Placement:
-    """`plan` on this host's GPUs (`detect_gpus`; `requested` checked against them), sized for their real memory."""
-    gpus = detect_gpus(requested, query, option=option)
-    card_gib = card_gib_of(gpus, query) if gpus else REFERENCE_CARD_GIB
+    """`plan` on this host's GPUs (`detect_gpus`; `requested` checked against them), sized for their real memory;
+    nvidia-smi is asked once for both."""
+    try:
+        listed = query()
+    except NoGpu as exc:
+        raise PlacementError(str(exc)) from None
+    gpus = detect_gpus(requested, lambda: listed, option=option)
+    card_gib = card_gib_of(gpus, lambda: listed) if gpus else REFERENCE_CARD_GIB
     return plan(gpus, replicas, trainer, trainer_reserve=trainer_reserve, card_gib=card_gib)
 
 
