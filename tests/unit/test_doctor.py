@@ -6,6 +6,7 @@ httpx.MockTransport (no network); the probe checks are pure functions of a Probe
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -18,7 +19,16 @@ import httpx
 import pytest
 from lorafleet import ledger_format
 from lorafleet.settings import StackSettings, load_settings
-from lorafleet_ops.commands.doctor import CheckResult, ProbeReport, Snapshot, Status, failed, render_table, run_doctor
+from lorafleet_ops.commands.doctor import (
+    CheckResult,
+    ProbeReport,
+    Snapshot,
+    Status,
+    failed,
+    probe,
+    render_table,
+    run_doctor,
+)
 from lorafleet_ops.commands.doctor.checks import (
     check_adapter_sync,
     check_fleet,
@@ -888,3 +898,49 @@ def test_an_unattested_replica_warns_and_one_whose_engine_disagrees_fails() -> N
     _one(check_fleet(snapshot(attested, unattested)), Status.WARN, f"{R2} is unattested", "404 Not Found")
     disagrees = ReplicaView(R2, "syncing", proxy_attestation="disagrees", proxy_attestation_failure="slot differs")
     _one(check_fleet(snapshot(attested, disagrees)), Status.FAIL, "attests other LoRA weights", "slot differs")
+
+
+class _ScriptedLooks:
+    """A proxy and its replicas answering one scripted look at a time: (GET /fleet's paused, its broadcast_epoch,
+    every replica's is_paused); the proxy's two reads of a look and the replicas' read between them share one row."""
+
+    def __init__(self, looks: list[tuple[str | None, int | None, bool]]) -> None:
+        self.looks, self.reads = looks, 0
+
+    def row(self) -> tuple[str | None, int | None, bool]:
+        return self.looks[min(self.reads // 2, len(self.looks) - 1)]
+
+    async def request(self, method: str, path: str) -> httpx.Response:
+        paused, epoch, _ = self.row()
+        self.reads += 1
+        return httpx.Response(200, json={"paused": paused, "broadcast_epoch": epoch})
+
+    async def is_paused(self) -> bool:
+        return self.row()[2]
+
+
+@pytest.mark.parametrize(("looks", "judged", "replicas"), [
+    # Another client's resume on its way at every look (odd epoch: replicas resumed, the proxy not yet recorded it):
+    # never judged against the state it has not recorded.
+    ([("wait", 7, False)] * 12, CHANGING, False),
+    # ...then it lands: judged against the state it recorded.
+    ([("wait", 7, False)] * 3 + [(None, 8, False)], None, False),
+    # No broadcast on its way (even epoch) and a replica that stays running under the proxy's pause: judged, and
+    # the check fails it.
+    ([("wait", 8, False)] * 12, "wait", False),
+    # A proxy that reports no epoch: judged by its pause state alone.
+    ([("wait", None, True)], "wait", True),
+])
+def test_the_doctor_judges_replicas_only_at_looks_no_broadcast_crossed(monkeypatch, looks, judged, replicas):
+    """CI's doctor-beside-pausers test failed a healthy fleet with `pause did not reach`: every steady look had
+    landed while another client's resume was on its way (the proxy records a pause state after the replicas take
+    it). GET /fleet's broadcast_epoch is odd while a broadcast is on its way; such a look is not judged."""
+    monkeypatch.setattr(probe, "OBSERVE_PAUSE_S", 0.0)
+    scripted = _ScriptedLooks(looks)
+    report = ProbeReport(broadcast=True)
+    seen = asyncio.run(probe._observe(report, "pause", scripted, {R1: scripted}))  # type: ignore[arg-type]
+    assert report.fleet_paused["pause"] == judged
+    assert seen == {R1: replicas}
+    verdict = check_broadcasts(_probe(fleet_paused={"pause": judged}, paused={R1: replicas}),
+                               Snapshot(PROXY, sync_pause="elide"))
+    assert (verdict.status is Status.FAIL) == (judged == "wait" and not replicas)

@@ -119,6 +119,7 @@ class FleetViews:
             "run_keys": {"enabled": self.runs.keys.enabled, "runs": self.runs.keys.runs()},
             "slots": self.runs.budget(),
             "paused": ledger.paused,
+            "broadcast_epoch": self.fleet.broadcast_epoch,  # odd while a fleet-wide change is on its way
             "ledger_rebuilding": ledger.rebuilding,
             "loops_alive": self.fleet.loops_alive(),
             "router": {"mode": router.mode, "block_size": router.block_size, **router.counters,

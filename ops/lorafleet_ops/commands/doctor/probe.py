@@ -222,10 +222,17 @@ async def _probe_pause(report: ProbeReport, clients: dict[str, Replica], proxy: 
 async def _fleet_pause(proxy: VLLMClient) -> str | object | None:
     """The proxy's own pause state (GET /fleet "paused": the mode of the pause in effect, or None); UNREAD when the
     proxy does not say."""
+    return (await _fleet_look(proxy))[0]
+
+
+async def _fleet_look(proxy: VLLMClient) -> tuple[str | object | None, int | None]:
+    """The proxy's pause state (as `_fleet_pause`) and its broadcast epoch (GET /fleet "broadcast_epoch": odd while a
+    fleet-wide change is on its way to the replicas; None from a proxy that does not say)."""
     try:
-        return (await proxy.request("GET", "/fleet")).json().get("paused", UNREAD)
+        view = (await proxy.request("GET", "/fleet")).json()
+        return view.get("paused", UNREAD), view.get("broadcast_epoch")
     except (VLLMError, ValueError, AttributeError):
-        return UNREAD
+        return UNREAD, None
 
 
 async def _observe(report: ProbeReport, step: str | None, proxy: VLLMClient,
@@ -233,22 +240,25 @@ async def _observe(report: ProbeReport, step: str | None, proxy: VLLMClient,
     """Each replica's is_paused after `step`, read between two reads of the proxy's pause state, which goes into
     report.fleet_paused[step] (a step that is not judged, None, records nothing).
 
-    Up to OBSERVE_TRIES looks: another look when the two reads differ (another client paused or resumed the fleet
-    meanwhile) or when a replica differs from the proxy's state (a broadcast still on its way); a replica that still
-    differs after the last look is what the check judges, and a state that changed at every look is CHANGING."""
+    A look is steady when both reads agree and no broadcast ran meanwhile (the same even broadcast epoch): the
+    proxy records a pause or resume only after the replicas took it, so a look taken while another client's
+    broadcast is on its way would see replicas ahead of the proxy's state. Up to OBSERVE_TRIES looks: another look
+    when it was not steady or when a replica differs from the proxy's state; a replica that still differs after
+    the last steady look is what the check judges, and a state that changed at every look is CHANGING."""
     seen: dict[str, bool | str] = {}
     steady: object = CHANGING
     for look in range(OBSERVE_TRIES):
         if look:
             await asyncio.sleep(OBSERVE_PAUSE_S)
-        before = await _fleet_pause(proxy)
+        before = await _fleet_look(proxy)
         states = dict(zip(clients, await asyncio.gather(*(_paused(c) for c in clients.values())), strict=True))
-        after = await _fleet_pause(proxy)
-        if before != after:
+        after = await _fleet_look(proxy)
+        epoch = after[1]
+        if before != after or (isinstance(epoch, int) and epoch % 2):
             seen = seen if steady is not CHANGING else states
             continue
-        steady, seen = after, states
-        if after is UNREAD or all(state is (after is not None) for state in states.values()):
+        steady, seen = after[0], states
+        if steady is UNREAD or all(state is (steady is not None) for state in states.values()):
             break
     if step is not None and steady is not UNREAD:
         report.fleet_paused[step] = steady  # type: ignore[assignment]
