@@ -15,7 +15,6 @@ not TRL: it runs on a GPU machine without TRL, vLLM or a package registry
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -24,7 +23,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import torch
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_trainer.attention import KERNELS, torch_varlen_attn
 
 HEADS_Q, HEADS_KV, HEAD_DIM, LAYERS = 12, 2, 128, 28  # Qwen2.5-1.5B
@@ -134,14 +133,13 @@ def main() -> int:
         "speedup_builtin_vs_torch": (round(results["torch"]["per_layer_ms"] / results["builtin"]["per_layer_ms"], 1)
                                      if "builtin" in results else None),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    write_result(args.out, report)
     print(f"{report['device']}, torch {report['torch']}, bf16, {tree.tokens} query / {report['key_tokens']} key "
           f"tokens, {report['segments']} segments, forward + backward, mean of 5 after 2 warm-ups")
     print(f"{'kernel':<10} {'per layer':>12} {'28 layers':>12}")
     for name, figures in results.items():
         print(f"{name:<10} {figures['per_layer_ms']:>9.2f} ms {figures['layers_28_s']:>10.3f} s")
-    print(f"max |builtin - torch| = {diff}; written: {args.out}")
+    print(f"max |builtin - torch| = {diff}")
     return 0
 
 

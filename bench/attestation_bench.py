@@ -19,7 +19,6 @@ with lorafleet's worker extension (lorafleet_vllm.lora_identity).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ from typing import Any
 
 import httpx
 from lorafleet.engine_identity import ATTEST_METHOD, parse_report
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import Service, replica_service, wait_healthy
 from store_cost_bench import measure_rank
 
@@ -103,15 +102,13 @@ def main() -> int:
         for replica in replicas:
             replica.stop()
     result = {RECORD_KEY: run_record(), "baseline_src": str(args.baseline_src), "publish": publish, "attest": attest}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     for row in publish:
         print(f"publish rank {row['rank']}: p50 {1000 * row['attested_s']['p50']:.0f} ms with attestation, "
               f"{1000 * row['baseline_s']['p50']:.0f} ms without ({100 * row['p50_growth']:+.1f}%)")
     for row in attest:
         print(f"attest {row['adapters']} adapters of rank {row['rank']}: p50 {1000 * row['p50_s']:.0f} ms "
               f"({row['per_adapter_ms']:.2f} ms each, {row['in_slots']} in slots)")
-    print(f"written: {args.out}")
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
@@ -34,7 +33,7 @@ import httpx
 from lorafleet.adapters import adapter_dir
 from lorafleet.settings import StackSettings
 from lorafleet.vllm_api import metric_total
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import Service, proxy_service, replica_service, wait_healthy
 from lorafleet_ops.tiny_model import make_adapter, make_tiny_model
 from lorafleet_proxy.canary import Canary, CanaryAnswer, parse_answer, tolerance_for
@@ -42,13 +41,6 @@ from lorafleet_proxy.metrics import Metrics
 
 RUN = "bench"
 ADAPTERS = {"trl-policy-v1": 21, "trl-policy-v2": 22}  # name -> seed
-
-
-def finite(value: Any) -> Any:
-    """JSON without Infinity: an infinite distance (other tokens) is written as null."""
-    if isinstance(value, dict):
-        return {key: finite(item) for key, item in value.items()}
-    return None if isinstance(value, float) and value == float("inf") else value
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -187,10 +179,7 @@ def main() -> int:
         proxy.stop()
         for replica in replicas:
             replica.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(finite(result), indent=2) + "\n")
-    print(json.dumps(finite(result), indent=2))
-    print(f"written: {args.out}")
+    write_result(args.out, result, shown=result)
     return 0
 
 

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 from lorafleet.settings import StackSettings
 from lorafleet_ops.base_model import prepare
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.peft_adapter import write_lora_adapter
 from lorafleet_ops.placement import place
 from lorafleet_ops.processes import Service, replica_service, start_in_waves
@@ -248,11 +248,7 @@ def main() -> int:
                         "busy_vs_alone": summary(raw["busy_vs_alone"])},
               "from_base": {name: summary(values) for name, values in raw["from_base"].items() if name != base},
               "verdict": verdict(raw, args.steps, args.dtype)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(result, indent=2, default=str).replace("NaN", "null")
-    args.out.write_text(text + "\n")
-    print(text)
-    print(f"written: {args.out}")
+    write_result(args.out, result, shown=result)
     return 0
 
 

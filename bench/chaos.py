@@ -11,7 +11,6 @@ violation prints the seed, the schedule and the first bad record, and the comman
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from lorafleet.logs import configure
 from lorafleet_ops.chaos import disk
 from lorafleet_ops.chaos.checker import render
 from lorafleet_ops.chaos.harness import Form, chaos
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import replica_service, start_in_waves
 from lorafleet_ops.tiny_model import make_tiny_model
 
@@ -75,10 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             replica.stop()
     result = {RECORD_KEY: run_record(argv), **summary}
     out = args.out or folder / "summary.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(render(report))
-    print(f"faults: {summary['faults']}; restarts: {summary['restarts']}; {summary['duration_s']} s; written: {out}")
+    print(f"faults: {summary['faults']}; restarts: {summary['restarts']}; {summary['duration_s']} s")
+    write_result(out, result)
     return 0 if report.ok else 1
 
 

@@ -22,7 +22,6 @@ before 4 starts its replica beside the trainer. Without a CUDA GPU or a CUDA vLL
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import sys
 import time
@@ -35,7 +34,7 @@ import pipeline_bench
 import sync_bench
 import turns_bench
 from gpu_fleet import DEVICES, EAGER, FleetLayout, layout, running, unavailable
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import Service, replica_service
 from trainer_shape import build_workload
 
@@ -91,9 +90,7 @@ def write(path: Path, result: dict[str, Any], began: float) -> None:
     into = round(time.monotonic() - began, 1)
     result = {**result, "call": {"seconds_into_call": into, "limit_s": CALL_LIMIT_S, "fits": into < CALL_LIMIT_S}}
     print(f"{path.name}: written {into:.0f} s into the call (a call may run {CALL_LIMIT_S} s)", flush=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"written: {path}", flush=True)
+    write_result(path, result)
 
 
 def sync_part(replicas: list[Service], model: Path, work: Path, sizes: dict[str, Any],

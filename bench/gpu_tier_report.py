@@ -11,13 +11,12 @@ itself is copied beside it, so a page can link to the whole of it.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any
 
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 
 HEADER = "lorafleet GPU tier"
 # What the tier's tests print for the record.
@@ -60,11 +59,10 @@ def main() -> int:
     args = parser.parse_args()
     log = args.xml.with_suffix(".log")
     result = report(args.xml, log)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     if log.exists():
         shutil.copyfile(log, args.out.with_suffix(".log"))
-    print(f"written: {args.out} ({result['passed']} passed, {result['failed']} failed, {result['error']} errors)")
+    print(f"{result['passed']} passed, {result['failed']} failed, {result['error']} errors")
     return 0
 
 

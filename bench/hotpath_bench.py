@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 from lorafleet.vllm_api import metric_total
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import (
     Service,
     free_port,
@@ -357,7 +357,6 @@ def main() -> None:
     existing = json.loads(args.out.read_text()) if args.out.exists() else {}
     existing[RECORD_KEY] = run_record()  # this run's; sections of an earlier run it does not redo keep their own
     existing["goals"] = GOALS
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     runs = {"throughput": ("throughput", lambda log_dir: throughput(args, log_dir)),
             "memory": ("memory_1m", lambda log_dir: memory(args, log_dir)),
             "vllm": ("routing_quality_vllm", lambda log_dir: vllm_quality(args, log_dir))}
@@ -365,8 +364,8 @@ def main() -> None:
         for section in sections:
             key, run = runs[section]
             existing[key] = {RECORD_KEY: existing[RECORD_KEY], **run(Path(tmp))}
-            args.out.write_text(json.dumps(existing, indent=2) + "\n")  # each section kept even if a later one fails
-            print(f"{section} written to {args.out}", flush=True)
+            print(f"{section} done", flush=True)
+            write_result(args.out, existing)  # each section kept even if a later one fails
     print("\nFigures (docs/benchmarks/hotpath.md renders them from the JSON):\n" + markdown(existing), flush=True)
 
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import replica_service, start_in_waves
 from lorafleet_ops.tiny_model import make_tiny_model
 from lorafleet_testing.isolation.harness import Attack, run_attack
@@ -92,7 +92,7 @@ def main() -> int:
             print(json.dumps(replay["violations"][:5], indent=1))
             return 0 if replay["violations"] else 1  # a plant must be caught
         if args.plants_out:
-            args.plants_out.write_text(json.dumps(plant_evidence(urls, work, model, args.seed), indent=1))
+            write_result(args.plants_out, plant_evidence(urls, work, model, args.seed))
             return 0
         # The plants monkeypatch this process's proxy: they run in a process of their own, on the same replicas.
         plants = subprocess.Popen([sys.executable, __file__, "--seed", str(args.seed), "--replicas", ",".join(urls),
@@ -108,9 +108,8 @@ def main() -> int:
     attack["violations"] = attack["violations"][:50]  # all of them are in the artifacts; the page shows the first
     result = {RECORD_KEY: run_record(), "device": "cpu", "replicas": len(urls), "attack": attack, "plants": evidence,
               "plants_from": str(args.plants_from) if args.plants_from else None}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"written: {args.out}: {attack['attempts']} attempts, {len(attack['violations'])} violations")
+    write_result(args.out, result)
+    print(f"{attack['attempts']} attempts, {len(attack['violations'])} violations")
     return 0 if not attack["violations"] else 1
 
 

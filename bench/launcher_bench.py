@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
+from lorafleet_ops.docsite.record import write_result
 from trainer_bench import build_workload, environment, start_standin, step_metrics  # a sibling (bench/)
 
 HERE = Path(__file__).resolve().parent
@@ -177,15 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         "configs": [], "resume": None,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     for name, extra in runs.items():
         report["configs"].append(run_config(name, extra, workload, work, args))
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        write_result(out, report)
         print(f"[bench-launcher] {name}: {json.dumps(report['configs'][-1])[:600]}", flush=True)
     if args.resume:
         name, extra = next(iter(runs.items()))
         report["resume"] = resume_check(name, extra, workload, work, args)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        write_result(out, report)
     print(table(report))
     return 0 if all(r["exit_code"] == 0 for r in report["configs"]) else 1
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.lora_stress import stress
 from lorafleet_ops.peft_adapter import write_lora_adapter
 from lorafleet_ops.processes import replica_service, start_in_waves
@@ -73,11 +73,7 @@ def main() -> int:
     result = {RECORD_KEY: run_record(), "device": "cpu", "dtype": "float32", "model": model.name, "max_loras": 6,
               "adapters": len(paths), "runs": args.runs, "clients": args.clients, "cycles": args.cycles,
               "modes": modes}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(result, indent=2, default=str)
-    args.out.write_text(text + "\n")
-    print(text)
-    print(f"written: {args.out}")
+    write_result(args.out, result, shown=result)
     return 0
 
 

@@ -50,7 +50,7 @@ import httpx
 from gpu_fleet import DEVICES, layout, running, unavailable
 from hotpath_bench import cpu_s, reset_prefix_caches, started
 from lorafleet.vllm_api import VLLMClient, metric_total
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import Service, proxy_service, replica_service, trainer_service
 from trainer_shape import build_workload
 
@@ -420,10 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = run(args)
     check_result(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     ratio = result["headline"]["vs_trl"]["proxy-1"]["ratio"]
-    print(f"proxy-1 / trl: {ratio:.3f} (goal {GOAL}); written {args.out}")
+    print(f"proxy-1 / trl: {ratio:.3f} (goal {GOAL})")
     return 0
 
 

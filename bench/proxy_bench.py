@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 from lorafleet.ports import free_port
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import script
 from lorafleet_proxy.router import Router
 from lorafleet_testing.fakes import FakeReplica, start_server
@@ -302,9 +302,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         args.adapter_root = root
         result = asyncio.run(bench(args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({RECORD_KEY: run_record(), **result}, indent=2) + "\n")
-    print(json.dumps(result["summary"], indent=2))
+    write_result(args.out, {RECORD_KEY: run_record(), **result}, shown=result["summary"])
     for mode, row in result["modes"].items():
         print(f"{mode:>13}: unmatched {row['unmatched_frac']:.1%} affinity {row['affinity_frac']:.1%} "
               f"spilled {row['spilled_frac']:.1%} cache-hit {row['prefix_cache_hit_frac']:.1%} "

@@ -28,7 +28,7 @@ from typing import Any
 
 from lorafleet import ratio_outliers
 from lorafleet.ratio_outliers import METRICS_KEY, RatioWatch, ReplicaRatio, read_rows, steps, tokens_to_name
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 
 HOUR_S = 3600.0
 
@@ -151,9 +151,7 @@ def main() -> int:
         "healthy": [healthy(label, source, args.replay_windows, rng) for label, source in _pairs(args.healthy)],
         "faulty": [faulty(label, Path(path), faults) for label, path in _pairs(args.faulty)],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({key: value for key, value in result.items() if key != RECORD_KEY}, indent=1))
+    write_result(args.out, result, shown={key: value for key, value in result.items() if key != RECORD_KEY})
     return 0
 
 

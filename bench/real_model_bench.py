@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet_ops.commands.demo import DemoOptions, run_demo
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 
 GOAL_POINTS = 15.0  # the goal: each seed's last evaluation at least this many points above its first
 GOAL_WALL_S = 1200.0  # ... within 20 minutes a seed
@@ -114,7 +114,7 @@ def main() -> None:
                   "machine_shared": args.shared,  # other work on the machine: each seed's load average says how much
                   "goal": {"min_change_points": GOAL_POINTS, "max_wall_s": GOAL_WALL_S},
                   "spread": spread(rows), "seeds": rows}
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
         plot(rows, args.out.with_suffix(".png"))
         print(f"==> seed {seed} done: {json.dumps(rows[-1].get('eval_pass_at_1') or rows[-1].get('error'))}",
               flush=True)

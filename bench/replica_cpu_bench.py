@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 import psutil
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import Service, replica_service, wait_healthy
 from lorafleet_ops.tiny_model import make_tiny_model
 from lorafleet_testing.traffic import Traffic
@@ -199,9 +199,7 @@ def main() -> int:
               "configs": {mode: {"executor": executor, "env": extra}
                           for mode, (executor, extra) in args.configs.items()},
               "modes": rounds}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

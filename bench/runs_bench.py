@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 
 import httpx
 from lorafleet.settings import load_settings
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_proxy.app import create_app
 from lorafleet_testing.fakes import FakeReplica, start_server
 from prometheus_client.parser import text_string_to_metric_families
@@ -167,11 +166,9 @@ async def main() -> None:
     args = parser.parse_args()
     results = [await scenario(name, runs, args.seconds, args.latency_s, args.window, args.warmup_s)
                for name, runs in SCENARIOS.items()]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({RECORD_KEY: run_record(), "latency_s": args.latency_s,
-                                    "window_per_replica": args.window, "replicas": 2, "results": results}, indent=1))
     print(table(results))
-    print(f"\nwritten: {args.out}")
+    write_result(args.out, {RECORD_KEY: run_record(), "latency_s": args.latency_s,
+                            "window_per_replica": args.window, "replicas": 2, "results": results})
 
 
 if __name__ == "__main__":

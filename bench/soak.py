@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 from lorafleet.adapters import adapter_dir
 from lorafleet.ports import free_port
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import rss_mib, script
 from lorafleet_testing.fakes import FakeReplica, start_server
 
@@ -263,9 +263,7 @@ def main() -> None:
             proxy.send_signal(signal.SIGTERM)
             proxy.wait(10)
             replicas.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
+    write_result(args.out, report, shown=report)
     if report["client_visible_failures"]:
         sys.exit(1)
 

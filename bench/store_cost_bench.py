@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.adapters import lora_dir
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import Service, proxy_service, replica_service, wait_healthy
 from sync_bench import RUN, Publisher, load_until_serving, pct
 
@@ -102,15 +101,13 @@ def main() -> int:
         for replica in replicas:
             replica.stop()
     result = {RECORD_KEY: run_record(), "baseline_src": str(args.baseline_src), "ranks": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print("| rank | store p50 / p95 (ms) | baseline p50 / p95 (ms) | p50 growth | goal |\n|---|---|---|---|---|")
     for row in results:
         store, base = row["store_s"], row["baseline_s"]
         print(f"| {row['rank']} | {1000 * store['p50']:.0f} / {1000 * store['p95']:.0f} "
               f"| {1000 * base['p50']:.0f} / {1000 * base['p95']:.0f} | {100 * row['p50_growth']:+.1f}% "
               f"| {'met' if row['goal_met'] else 'missed' if row['goal_met'] is False else '-'} |")
-    print(f"written: {args.out}")
     return 0
 
 

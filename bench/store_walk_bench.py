@@ -25,7 +25,7 @@ from types import ModuleType
 from typing import Any
 
 from lorafleet.adapters import adapter_dir
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.tiny_model import make_adapter, make_tiny_model
 from lorafleet_proxy import content_store
 
@@ -97,9 +97,7 @@ def main() -> int:
             ranks[str(rank)] = row
     base = subprocess.run(["git", "rev-parse", "--short", args.base], check=True, capture_output=True, text=True)
     result = {RECORD_KEY: run_record(), "base": base.stdout.strip(), "samples": args.samples, "ranks": ranks}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(ranks, indent=1))
+    write_result(args.out, result, shown=ranks)
     return 0
 
 

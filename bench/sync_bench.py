@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 from lorafleet.adapters import adapter_dir, lora_dir, policy_name
 from lorafleet.vllm_api import metric_total
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import Service, proxy_service, replica_service, wait_healthy
 
 MODES = ("broadcast", "elide")
@@ -397,14 +397,13 @@ def main() -> int:
               "modes": {mode: summarize(phases) for mode, phases in first.items()},
               "executors": {executor: {"modes": {mode: summarize(phases) for mode, phases in runs.items()}}
                             for executor, runs in every.items()}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     timelines = {mode: {"timeline": phases[0]["timeline"], "per_sync": result["modes"][mode]["per_sync"]}
                  for mode, phases in first.items()}
     plot(timelines, args.out.with_suffix(".png"), args.bin_s)
     for executor in executors:
         print(f"VLLM_CPU_EXECUTOR={executor}\n{table(result['executors'][executor]['modes'])}")
-    print(f"written: {args.out} and {args.out.with_suffix('.png')}")
+    print(f"plotted: {args.out.with_suffix('.png')}")
     return 0
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.ports import free_port
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from trainer_shape import build_workload  # a sibling: Python puts bench/ first on sys.path
 
 HERE = Path(__file__).resolve().parent
@@ -527,11 +527,10 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         "reference": REFERENCE, "goals": GOALS, "configs": [],
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
     if args.equivalence == "on" or (args.equivalence == "auto" and not args.tiny):
         report["equivalence"] = run_equivalence(workload, work, args, min(args.config_timeout, args.budget_s))
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        write_result(out, report)
         print(f"[bench-trainer] equivalence: {equivalence_line(report['equivalence'])}", flush=True)
     for config in configs:
         remaining = deadline - time.monotonic()
@@ -540,7 +539,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         else:
             result = run_config(config, workload, work, args, min(args.config_timeout, remaining))
         report["configs"].append(result)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        write_result(out, report)
         print(f"[bench-trainer] {config.name}: {summary_line(result)}", flush=True)
     return report
 

@@ -52,7 +52,7 @@ from hotpath_bench import (
     tiny_replicas,
 )
 from lorafleet.vllm_api import ServerInfo
-from lorafleet_ops.docsite.record import RECORD_KEY, run_record
+from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.tiny_model import MODEL_MARKER, WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -410,11 +410,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="turns-bench-") as tmp:
         result = bench(args, Path(tmp))
-    args.out.write_text(json.dumps({RECORD_KEY: run_record(), **result}, indent=2) + "\n")
-    print(f"turns written to {args.out}\n\nFigures (docs/benchmarks/turns.md renders them from the JSON):\n"
+    write_result(args.out, {RECORD_KEY: run_record(), **result})
+    print("\nFigures (docs/benchmarks/turns.md renders them from the JSON):\n"
           + markdown(result), flush=True)
 
 

@@ -1,13 +1,16 @@
 """What every benchmark result records about its own run, so that a page can say when, where and on what it ran.
 
-Each benchmark puts `run_record(...)` under the key `RECORD_KEY` of the JSON it writes; the docs' macros read the
-same keys back (lorafleet_ops.docsite.macros). Standard library only: the GPU benchmarks run it on a bare machine.
+Each benchmark puts `run_record(...)` under the key `RECORD_KEY` of the JSON it writes and writes it with
+`write_result`, one format for every file; the docs' macros read the same keys back (lorafleet_ops.docsite.macros).
+Standard library only: the GPU benchmarks run it on a bare machine.
 A value that cannot be found is left out, never guessed: the page then shows "not recorded".
 """
 
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import json
+import math
 import os
 import platform
 import shutil
@@ -38,6 +41,33 @@ def run_record(argv: list[str] | None = None) -> dict[str, Any]:
     if commit is not None:
         record["commit"] = commit
     return record
+
+
+def write_result(out: Path, result: dict[str, Any], shown: Any = None) -> None:
+    """Write a benchmark's result as JSON (folders made, indent 2, a closing newline), then print `shown` if given.
+
+    A value JSON cannot hold is written plainly: a non-finite float (a distance to other tokens, a ratio of nothing)
+    as null, anything else (a path, a date) as its text. `shown` is what the terminal should see (the summary, or
+    the whole result); the file's path is printed last either way.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_plain(result), indent=2, allow_nan=False) + "\n")
+    if shown is not None:
+        print(json.dumps(_plain(shown), indent=2, allow_nan=False))
+    print(f"written: {out}", flush=True)
+
+
+def _plain(value: Any) -> Any:
+    """`value` with its non-finite floats as None and what JSON has no type for as text, containers walked."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    if value is None or isinstance(value, str | int | bool):
+        return value
+    return str(value)
 
 
 def machine() -> dict[str, Any]:
