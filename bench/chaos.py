@@ -16,12 +16,12 @@ import sys
 from pathlib import Path
 
 from lorafleet.logs import configure
-from lorafleet_ops.chaos import disk
-from lorafleet_ops.chaos.checker import render
-from lorafleet_ops.chaos.harness import Form, chaos
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import replica_service, start_in_waves
 from lorafleet_ops.tiny_model import make_tiny_model
+from lorafleet_testing.chaos import disk
+from lorafleet_testing.chaos.judge import render
+from lorafleet_testing.chaos.trial import Form, chaos
 
 REPLICA_ENV = {"MAX_MODEL_LEN": "512", "MAX_STALENESS": "4", "LORA_RANK": "8", "LOG_LEVEL": "INFO",
                "REPLICA_DEVICE": "cpu", "VLLM_DTYPE": "float32", "VLLM_CPU_SETS": "0;1;0-1"}

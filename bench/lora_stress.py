@@ -5,9 +5,9 @@ writes bench/results/bench-lora-stress.json.
 
 The replica has `--max-loras` 6 slots (MAX_STALENESS 4 + 2) and serves 6 adapters (`--runs` runs of 2 versions), so
 the last slot is filled. `--clients` clients (more than the slots) probe the base model and the adapters at random
-(lorafleet_ops/lora_stress.py: teacher-forced, greedy, a fresh cache salt, compared with each subject's answer alone
-within 1e-4) while `--cycles` unload/reload cycles run; a mismatching answer is named by the subject whose reference
-it sits nearest.
+(lorafleet_testing/reload_stress.py: teacher-forced, greedy, a fresh cache salt, compared with each subject's answer
+alone within 1e-4) while `--cycles` unload/reload cycles run; a mismatching answer is named by the subject whose
+reference it sits nearest.
 
     .venv/bin/python bench/lora_stress.py
 """
@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
-from lorafleet_ops.lora_stress import stress
 from lorafleet_ops.peft_adapter import write_lora_adapter
 from lorafleet_ops.processes import replica_service, start_in_waves
 from lorafleet_ops.tiny_model import make_tiny_model
+from lorafleet_testing.reload_stress import stress
 
 MODES = {"plugin": {}, "no_plugin": {"VLLM_PLUGINS": "none"}}  # the replica's environment beyond the settings
 VERSIONS = 2

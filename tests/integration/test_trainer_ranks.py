@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from lorafleet.adapters import lora_dir, metrics_path, policy_name, run_dir
-from lorafleet_ops.commands.doctor.checks import RATIO_FAIL
+from lorafleet.ratio_outliers import RATIO_FAIL
 from lorafleet_ops.commands.status import read_metrics
 from lorafleet_ops.processes import Service
 from lorafleet_testing.fleet import stored_at

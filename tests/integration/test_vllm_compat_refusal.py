@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from lorafleet.settings import load_settings
-from lorafleet_ops.commands.doctor.checks import check_vllm_versions
+from lorafleet_ops.commands.doctor.fleet_checks import check_vllm_versions
 from lorafleet_ops.commands.doctor.gather import gather_snapshot
 from lorafleet_ops.commands.doctor.model import Status
 from lorafleet_ops.processes import Service, replica_service

@@ -51,10 +51,10 @@ import httpx
 import pytest
 from lorafleet.adapters import LORA_DIR_NAME, fleet_dir, metrics_path
 from lorafleet.ledger_format import LEDGER_FILE
+from lorafleet.ratio_outliers import RATIO_FAIL
 from lorafleet.settings import CommonSettings, StackSettings
-from lorafleet_ops.chaos.checker import RunSpec, check_run
-from lorafleet_ops.commands.doctor.checks import RATIO_FAIL
 from lorafleet_testing import stack_plan
+from lorafleet_testing.chaos.judge import RunSpec, check_run
 from lorafleet_testing.stack_driver import (
     REPO,
     Stack,
@@ -657,7 +657,7 @@ def test_a_trainer_container_killed_twice_resumes_without_loss(stack: Stack, tmp
     (written or being written). `docker kill` is a manual stop to Docker: `restart: on-failure` does not restart it
     (Engine 20.10, checked: exit 137, RestartCount 0; a crash of the main process is restarted), so each time the
     trainer is brought back as an operator would, `docker compose start`. The last start runs to MAX_STEPS and exits
-    0, not restarted. The chaos checker (lorafleet_ops.chaos.checker.check_run) then judges the run folder, copied out
+    0, not restarted. The chaos checker (lorafleet_testing.chaos.judge.check_run) then judges the run folder, copied out
     of the volume, with the container's log over its starts: finished, no step past MAX_STEPS, the resume contract,
     versions only going up, the published-version window and the importance ratio."""
     started = time.monotonic()

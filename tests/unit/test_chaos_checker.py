@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from lorafleet.adapters import LORA_DIR_NAME, METRICS_FILE, policy_name
 from lorafleet.runs import qualify
-from lorafleet_ops.chaos.checker import (
+from lorafleet_testing.chaos.judge import (
     ADAPTERS,
     INVARIANTS,
     MANIFEST,

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from lorafleet_ops.chaos import disk
-from lorafleet_ops.chaos.nemesis import HELD, KINDS, fault_stream
-from lorafleet_ops.chaos.relay import Relay
-from lorafleet_ops.chaos.supervisor import ON_FAILURE, UNLESS_STOPPED, Supervised, Supervisor
 from lorafleet_ops.processes import Service
+from lorafleet_testing.chaos import disk
+from lorafleet_testing.chaos.nemesis import HELD, KINDS, fault_stream
+from lorafleet_testing.chaos.relay import Relay
+from lorafleet_testing.chaos.supervisor import ON_FAILURE, UNLESS_STOPPED, Supervised, Supervisor
 
 REPLICA_KINDS = ("sigkill", "sigstop", "partition", "scale")
 TARGETS = {"replica-0": REPLICA_KINDS, "replica-1": REPLICA_KINDS, "replica-2": REPLICA_KINDS,

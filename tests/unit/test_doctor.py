@@ -29,7 +29,7 @@ from lorafleet_ops.commands.doctor import (
     render_table,
     run_doctor,
 )
-from lorafleet_ops.commands.doctor.checks import (
+from lorafleet_ops.commands.doctor.fleet_checks import (
     check_adapter_sync,
     check_fleet,
     check_layout,

@@ -1,11 +1,11 @@
-"""The stress test's judge (lorafleet_ops/lora_stress.py): an answer within the tolerance of its subject's reference
-matches; one farther is a mismatch named by the subject whose reference it sits nearest."""
+"""The stress test's judge (lorafleet_testing/reload_stress.py): an answer within the tolerance of its subject's
+reference matches; one farther is a mismatch named by the subject whose reference it sits nearest."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from lorafleet_ops.lora_stress import POSITIONS, TOLERANCE, Tally, probe_body
+from lorafleet_testing.reload_stress import POSITIONS, TOLERANCE, Tally, probe_body
 
 LOGPROB = st.floats(-20.0, 0.0)
 REFERENCE = st.lists(LOGPROB, min_size=POSITIONS, max_size=POSITIONS)

@@ -3,8 +3,10 @@ docs/concepts/architecture.md#the-packages-and-the-arrows-between-them).
 
 The contract (`lorafleet`, shared/) imports no service and not the operations package; a service imports the contract
 and itself, never another service and never the operations package; the operations package (`lorafleet_ops`, ops/)
-may import all of them. Every import counts, at module level or inside a function or a `try`, except those under
-`if TYPE_CHECKING:` (annotations only); `importlib.import_module("...")` with a literal name counts too.
+may import all of them; the testing room (`lorafleet_testing`, tests/support: the fakes, the chaos harness, the stress
+driver) may import every package and none imports it, so no image ever needs it. Every import counts, at module level
+or inside a function or a `try`, except those under `if TYPE_CHECKING:` (annotations only);
+`importlib.import_module("...")` with a literal name counts too.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {"lorafleet": REPO / "shared" / "lorafleet", "lorafleet_ops": REPO / "ops" / "lorafleet_ops",
             "lorafleet_proxy": REPO / "services" / "proxy" / "lorafleet_proxy",
             "lorafleet_vllm": REPO / "services" / "vllm" / "lorafleet_vllm",
-            "lorafleet_trainer": REPO / "services" / "trainer" / "lorafleet_trainer"}
+            "lorafleet_trainer": REPO / "services" / "trainer" / "lorafleet_trainer",
+            "lorafleet_testing": REPO / "tests" / "support" / "lorafleet_testing"}
 SERVICES = ("lorafleet_proxy", "lorafleet_vllm", "lorafleet_trainer")
-PROJECT = {*PACKAGES, "lorafleet_testing"}
+PROJECT = set(PACKAGES)
 ALLOWED = {"lorafleet": {"lorafleet"},
            "lorafleet_ops": {"lorafleet", "lorafleet_ops", *SERVICES},
+           "lorafleet_testing": PROJECT,
            **{service: {"lorafleet", service} for service in SERVICES}}
 
 
@@ -91,3 +95,21 @@ def test_a_service_importing_operations_or_another_service_is_found(tmp_path: Pa
                                             "    from lorafleet_ops.commands import doctor\n")
     assert violations("lorafleet_proxy", service) == ["lorafleet_proxy/bad.py:1 imports lorafleet_ops",
                                                       "lorafleet_proxy/bad.py:2 imports lorafleet_trainer"]
+
+
+def test_operations_importing_the_testing_room_is_found(tmp_path: Path) -> None:
+    ops = tmp_path / "lorafleet_ops"
+    ops.mkdir()
+    (ops / "stress.py").write_text("from lorafleet_testing.chaos.judge import check_folder\n")
+    assert violations("lorafleet_ops", ops) == ["lorafleet_ops/stress.py:1 imports lorafleet_testing"]
+
+
+def test_no_image_or_installed_package_needs_the_testing_room() -> None:
+    dockerfiles = sorted((REPO / "services").rglob("Dockerfile*"))
+    assert dockerfiles
+    for dockerfile in dockerfiles:
+        copies = [line for line in dockerfile.read_text().splitlines() if line.split()[:1] in (["COPY"], ["ADD"])]
+        assert copies and not [line for line in copies if "tests" in line], dockerfile.relative_to(REPO)
+    for package, root in PACKAGES.items():
+        if package != "lorafleet_testing":
+            assert "lorafleet-testing" not in (root.parent / "pyproject.toml").read_text(), package

@@ -25,7 +25,7 @@ from lorafleet.ratio_outliers import (
     steps,
     tokens_to_name,
 )
-from lorafleet_ops.commands.doctor.checks import check_ratio
+from lorafleet_ops.commands.doctor.fleet_checks import check_ratio
 from lorafleet_ops.commands.doctor.model import Snapshot, Status
 from lorafleet_ops.commands.status import render_ratio_by_replica
 from lorafleet_trainer.exporter import REPLICA_VERSIONS_KEPT, TrainerMetrics

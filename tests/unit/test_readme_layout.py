@@ -3,8 +3,8 @@
 The listing is the page's `## The listing` section, up to the next `## ` heading or the end. Inside it each entry
 starts at the line's first column with a path (`shared/`, `ops/lorafleet_ops/commands/`, `bench/`, ...) and goes on in
 the indented lines below it. A module is named when the entry for its folder (the entry with the longest path its
-own path starts with) holds its name as a word (`settings`, `doctor/checks`), its file name (`runs_bench.py`) or its
-path; a file that is not Python only by its file name (`engine.sh`), a folder of bench/ by its name (`results/`).
+own path starts with) holds its name as a word (`settings`, `doctor/fleet_checks`), its file name (`runs_bench.py`) or
+its path; a file that is not Python only by its file name (`engine.sh`), a folder of bench/ by its name (`results/`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def named(path: str, table: dict[str, str]) -> bool:
     names = {path, relative, file.name}
     if file.suffix == ".py":
         names |= {relative.removesuffix(".py"), file.stem}
-    for package in PACKAGES:  # a module of a subpackage may be named from the package (`doctor/checks`)
+    for package in PACKAGES:  # a module of a subpackage may be named from the package (`doctor/fleet_checks`)
         if path.startswith(package + "/"):
             names.add(path.removeprefix(package + "/").removesuffix(".py"))
     return any(re.search(rf"(?<![\w./-]){re.escape(name)}(?![\w-]|\.\w)", text) for name in names)

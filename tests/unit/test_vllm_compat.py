@@ -22,7 +22,7 @@ from lorafleet.vllm_compat import (
     admission,
 )
 from lorafleet_ops.commands.doctor import CheckResult, Snapshot, Status
-from lorafleet_ops.commands.doctor.checks import check_vllm_versions
+from lorafleet_ops.commands.doctor.fleet_checks import check_vllm_versions
 from lorafleet_ops.commands.doctor.model import ReplicaView
 
 REPO = Path(__file__).resolve().parents[2]

@@ -136,7 +136,7 @@ async def _fleet_view() -> dict:
 
 
 def test_the_standin_describes_itself_as_a_one_replica_fleet_the_doctor_can_read():
-    from lorafleet_ops.commands.doctor.checks import check_fleet
+    from lorafleet_ops.commands.doctor.fleet_checks import check_fleet
     from lorafleet_ops.commands.doctor.model import ReplicaView, Snapshot, Status
 
     seen = asyncio.run(_fleet_view())

@@ -7,7 +7,7 @@ trainer's container has no route to the replicas), and a probe adapter is writte
 loaded through the proxy and generated with on every replica. One job per module:
 
 - `model`: the data (Snapshot, ProbeReport, CheckResult);
-- `checks`: the pure checks, snapshot and probe report in, CheckResult out (unit-tested on recorded payloads);
+- `fleet_checks`: the pure checks, snapshot and probe report in, CheckResult out (unit-tested on recorded payloads);
 - `gather`: reading the proxy and the replicas (and the proxy's ledger file when the proxy is down);
 - `probe_adapter`, `probe`: writing the probe adapter, and publishing, loading, pausing through the fleet;
 - `via_proxy`: the probe's reach to a replica only the proxy can reach;

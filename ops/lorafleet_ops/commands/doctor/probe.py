@@ -21,7 +21,7 @@ from lorafleet.runs import BUDGET_ERROR
 from lorafleet.settings import StackSettings
 from lorafleet.vllm_api import PauseMode, VLLMClient, VLLMError
 
-from lorafleet_ops.commands.doctor.checks import norm_path
+from lorafleet_ops.commands.doctor.fleet_checks import norm_path
 from lorafleet_ops.commands.doctor.gather import api_client
 from lorafleet_ops.commands.doctor.model import CHANGING, ProbeReport, Snapshot
 from lorafleet_ops.commands.doctor.probe_adapter import base_model_config, publish_probe_adapter

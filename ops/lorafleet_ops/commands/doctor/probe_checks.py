@@ -1,5 +1,5 @@
 """The doctor's checks of the probe (checks 4 and 5): what publishing, loading, generating with and pausing around one
-probe adapter showed on every replica. Pure functions of a ProbeReport and a Snapshot, as in `checks`."""
+probe adapter showed on every replica. Pure functions of a ProbeReport and a Snapshot, as in `fleet_checks`."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import httpx
 from lorafleet.logs import log_event
 from lorafleet.settings import StackSettings
 
-from lorafleet_ops.commands.doctor.checks import evaluate
+from lorafleet_ops.commands.doctor.fleet_checks import evaluate
 from lorafleet_ops.commands.doctor.gather import gather_snapshot
 from lorafleet_ops.commands.doctor.model import CheckResult, ProbeReport, Snapshot, Status
 from lorafleet_ops.commands.doctor.probe import run_probe

@@ -34,9 +34,9 @@ from typing import Any
 
 from lorafleet.logs import log_event
 
-from lorafleet_ops.chaos.disk import RunDisk
-from lorafleet_ops.chaos.relay import Relay
-from lorafleet_ops.chaos.supervisor import Supervised
+from lorafleet_testing.chaos.disk import RunDisk
+from lorafleet_testing.chaos.relay import Relay
+from lorafleet_testing.chaos.supervisor import Supervised
 
 KINDS = ("sigkill", "sigstop", "partition", "scale", "disk_full")
 HELD = ("sigstop", "partition", "disk_full")  # the kinds that hold for hold_s

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.adapters import LORA_DIR_NAME, METRICS_FILE, policy_version
+from lorafleet.ratio_outliers import RATIO_FAIL
 from lorafleet.runs import run_of
 from lorafleet_trainer.prompt_log import (
     Breach,
@@ -46,10 +47,9 @@ from lorafleet_trainer.prompt_log import (
     version_breach,
 )
 
-from lorafleet_ops.chaos.client_errors import error_findings
-from lorafleet_ops.chaos.provenance import FleetHistory, ProvenanceTally, is_sample, provenance_findings
-from lorafleet_ops.chaos.resumes import resume_findings
-from lorafleet_ops.commands.doctor.checks import RATIO_FAIL
+from lorafleet_testing.chaos.client_errors import error_findings
+from lorafleet_testing.chaos.fleet_history import FleetHistory, ProvenanceTally, is_sample, provenance_findings
+from lorafleet_testing.chaos.resumes import resume_findings
 
 MANIFEST = "chaos.json"
 ADAPTERS = "adapters"

