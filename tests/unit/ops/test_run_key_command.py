@@ -14,7 +14,7 @@ import pytest
 from lorafleet.run_key_store import KEY_PREFIX, digest, read_keys
 from lorafleet_ops.commands.cli import main
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(__file__).resolve().parents[3] / "shared"
 OPS = SHARED.parent / "ops"
 
 

@@ -21,7 +21,7 @@ from pipeline_bench import (
     window,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 KEPT = ROOT / "bench" / "results" / "bench-pipeline.json"
 
 

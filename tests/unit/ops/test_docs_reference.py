@@ -28,7 +28,7 @@ from lorafleet_proxy.metrics import Metrics
 from prometheus_client import Counter
 from pydantic.fields import FieldInfo
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from lorafleet_ops.tiny_model import MODEL_VERSION, PLAIN_TEMPLATE, TOOL_SCHEMA,
 from lorafleet_trainer.recipes import TINY_ANCHOR, load_tokenizer, tiny_dataset, tiny_targets
 from trl.chat_template_utils import is_chat_template_prefix_preserving, parse_response, supports_tool_calling
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TRAINED_VOCAB = 1000  # build_tokenizer's BPE vocabulary; the call tokens come after it
 
 

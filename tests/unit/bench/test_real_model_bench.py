@@ -10,7 +10,7 @@ import pytest
 from real_model_bench import GOAL_POINTS, GOAL_WALL_S, plot, seed_row, spread
 
 pytestmark = pytest.mark.timeout(120)
-KEPT = Path(__file__).resolve().parents[2] / "bench" / "results" / "bench-real-model.json"
+KEPT = Path(__file__).resolve().parents[3] / "bench" / "results" / "bench-real-model.json"
 
 
 def report(passes: list[float], every: int = 5) -> dict:
