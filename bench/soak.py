@@ -35,7 +35,7 @@ from lorafleet.adapters import adapter_dir
 from lorafleet.ports import free_port
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import rss_mib, script
-from lorafleet_testing.fakes import FakeReplica, start_server
+from lorafleet_testing.fakes import FakeReplica, start_server, weights_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def publish(root: Path, version: int) -> str:
     directory = adapter_dir(root, "soak", f"trl-policy-v{version}")
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "adapter_config.json").write_text(json.dumps({"r": 1}))
-    (directory / "adapter_model.safetensors").write_bytes(os.urandom(256))
+    (directory / "adapter_model.safetensors").write_bytes(weights_file(os.urandom(256)))
     return str(directory)
 
 

@@ -40,6 +40,7 @@ from lorafleet.adapters import adapter_dir, lora_dir, policy_name
 from lorafleet.vllm_api import metric_total
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import Service, proxy_service, replica_service, wait_healthy
+from lorafleet_proxy.metrics import LOAD_PHASES
 
 MODES = ("broadcast", "elide")
 PUBLISH_GOAL_S = 0.050  # publish to every replica serving: the fleet's p50 at most this above one replica's own load
@@ -469,10 +470,30 @@ def publish_latency(replicas: list[Service], model: Path, work: Path, rank: int,
                                                      "LOG_LEVEL": "WARNING", **proxy_settings}, work / "logs").start()
     try:
         wait_healthy([proxy], timeout_s=60)
-        fleet = [asyncio.run(load_until_serving(proxy.url, urls, publisher, root, 1 + i)) for i in range(samples + 1)]
+        fleet = [asyncio.run(load_until_serving(proxy.url, urls, publisher, root, 1))]  # the warm-up
+        before = load_phases(proxy.url)
+        fleet += [asyncio.run(load_until_serving(proxy.url, urls, publisher, root, 2 + i)) for i in range(samples)]
+        phases = phase_means_ms(before, load_phases(proxy.url))
     finally:
         proxy.stop()
-    return publish_summary(rank, fleet, single)
+    return {**publish_summary(rank, fleet, single), "proxy_phases_ms": phases}
+
+
+def load_phases(url: str) -> dict[str, tuple[float, float]]:
+    """The proxy's load phases so far (lorafleet_proxy_load_phase_seconds): phase -> (seconds in all, loads)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    family = "lorafleet_proxy_load_phase_seconds"
+    return {phase: (metric_total(text, f"{family}_sum", phase=phase),
+                    metric_total(text, f"{family}_count", phase=phase)) for phase in LOAD_PHASES}
+
+
+def phase_means_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """Each phase's mean over the loads between two readings, in ms (None for a phase no load went through)."""
+    means: dict[str, Any] = {}
+    for phase, (seconds, count) in after.items():
+        loads = count - before[phase][1]
+        means[phase] = round(1000 * (seconds - before[phase][0]) / loads, 1) if loads else None
+    return means
 
 
 def publish_summary(rank: int, fleet: list[float], single: list[float]) -> dict[str, Any]:

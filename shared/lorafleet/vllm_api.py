@@ -245,13 +245,14 @@ class VLLMClient:
         await self.request("POST", "/reset_prefix_cache")
 
 
-def metric_total(text: str, name: str) -> float:
-    """Sum of every sample of metric family `name` in Prometheus text (all label sets)."""
-    family = name.removesuffix("_total")
+def metric_total(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples `name` in Prometheus text whose labels include `labels` (all label sets by default); a
+    histogram's `_sum`/`_count`/`_bucket` samples are found under their family too."""
+    families = {name.removesuffix("_total")} | {name.removesuffix(suffix) for suffix in ("_sum", "_count", "_bucket")}
     return sum(
         sample.value
         for metric in text_string_to_metric_families(text)
-        if metric.name == family
+        if metric.name in families
         for sample in metric.samples
-        if sample.name == name
+        if sample.name == name and labels.items() <= sample.labels.items()
     )

@@ -29,7 +29,7 @@ from lorafleet.settings import load_settings
 from lorafleet.vllm_api import metric_total
 from lorafleet_proxy.app import create_app
 from lorafleet_proxy.fleet import Fleet as ProxyFleet
-from lorafleet_testing.fakes import FakeReplica, Running, start_fakes, start_server
+from lorafleet_testing.fakes import FakeReplica, Running, start_fakes, start_server, weights_file
 from lorafleet_testing.fleet import reload_with_other_files
 from lorafleet_testing.waiting import until
 
@@ -49,7 +49,7 @@ def write_adapter(root: Path, name: str, content: bytes) -> str:
     folder = root / "runs" / "r" / ".vllm_lora" / name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "adapter_config.json").write_text("{}")
-    (folder / "adapter_model.safetensors").write_bytes(content)
+    (folder / "adapter_model.safetensors").write_bytes(weights_file(content))
     return str(folder)
 
 

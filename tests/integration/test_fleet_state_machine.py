@@ -40,7 +40,7 @@ from lorafleet.ports import free_port
 from lorafleet.runs import DEFAULT_RUN, qualify, run_of
 from lorafleet.settings import load_settings
 from lorafleet_proxy.app import create_app
-from lorafleet_testing.fakes import FakeReplica, Running, start_server
+from lorafleet_testing.fakes import FakeReplica, Running, start_server, weights_file
 
 EXAMPLES = int(os.environ.get("LORAFLEET_FUZZ_EXAMPLES", "16"))
 STEPS = int(os.environ.get("LORAFLEET_FUZZ_STEPS", "16"))
@@ -140,7 +140,7 @@ class FleetMachine(RuleBasedStateMachine):
         directory = self.adapter(qualified)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "adapter_config.json").write_text(json.dumps({"r": 1}))
-        (directory / "adapter_model.safetensors").write_bytes(f"weights {self.content}".encode())
+        (directory / "adapter_model.safetensors").write_bytes(weights_file(f"weights {self.content}".encode()))
         return fingerprint(directory)
 
     def fleet(self) -> dict[str, Any]:

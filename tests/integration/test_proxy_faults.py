@@ -14,7 +14,7 @@ from lorafleet.settings import load_settings
 from lorafleet.vllm_api import metric_total
 from lorafleet_proxy.app import BearerAuth, create_app
 from lorafleet_proxy.sync import LOAD_RETRY_FIRST_S
-from lorafleet_testing.fakes import ENGINE_DEAD, FakeReplica, Running, start_fakes, start_server
+from lorafleet_testing.fakes import ENGINE_DEAD, FakeReplica, Running, start_fakes, start_server, weights_file
 from lorafleet_testing.waiting import until
 
 pytestmark = pytest.mark.integration
@@ -39,7 +39,7 @@ class Fleet:
         folder = self.root / "runs" / "r" / ".vllm_lora" / name
         if not (folder / "adapter_config.json").exists():
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / "adapter_model.safetensors").write_bytes(name.encode())
+            (folder / "adapter_model.safetensors").write_bytes(weights_file(name.encode()))
             (folder / "adapter_config.json").write_text("{}")
         return str(folder)
 

@@ -18,7 +18,7 @@ import pytest
 from lorafleet.ledger_format import fingerprint, ledger_path
 from lorafleet.settings import load_settings
 from lorafleet_proxy.app import BearerAuth, create_app
-from lorafleet_testing.fakes import FakeReplica, Running, start_fakes, start_server
+from lorafleet_testing.fakes import FakeReplica, Running, start_fakes, start_server, weights_file
 from test_proxy_faults import FAST, until
 
 pytestmark = pytest.mark.integration
@@ -61,7 +61,7 @@ class Fleet:
         directory = self.root / "runs" / run / ".vllm_lora" / name
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "adapter_config.json").write_text(json.dumps({"r": 1}))
-        (directory / "adapter_model.safetensors").write_bytes(content.encode())
+        (directory / "adapter_model.safetensors").write_bytes(weights_file(content.encode()))
         return str(directory)
 
     async def load(self, run: str, name: str, content: str | None = None) -> httpx.Response:

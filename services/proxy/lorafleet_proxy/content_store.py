@@ -45,8 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from lorafleet.adapters import AdapterPathError, confine, fleet_dir
-from lorafleet.ledger_format import CHUNK, CONFIG_FILE, FINGERPRINT_PREFIX, ContentHash, adapter_files
+from lorafleet.ledger_format import CHUNK, CONFIG_FILE, FINGERPRINT_PREFIX, WEIGHTS_SUFFIX, ContentHash, adapter_files
 from lorafleet.logs import log_event
+from lorafleet.safetensors_header import header_problem
 
 __all__ = ["ContentError", "ContentStore", "NoAdapter", "Stored"]
 
@@ -129,6 +130,7 @@ class ContentStore:
             digest = self._hash_folder(temp)
             if copied is not None and copied != digest:
                 raise ContentError(f"the copy of {source} does not hash to what was read ({copied} != {digest})")
+            _check_weights(temp, source)
             self.stage("copied")
             stored = self._publish(temp, digest, source)
         finally:
@@ -305,6 +307,21 @@ class ContentStore:
             for name in os.listdir(self.root):
                 if name.startswith(TEMP_PREFIX):
                     shutil.rmtree(self.root / name, ignore_errors=True)
+
+
+def _check_weights(folder: Path, source: str) -> None:
+    """Every weights file of the copy reads as a safetensors file (lorafleet.safetensors_header): vLLM would answer a
+    broken one with a 500, the tenant's file being at fault."""
+    for name in adapter_files(os.listdir(folder)):
+        if not name.endswith(WEIGHTS_SUFFIX):
+            continue
+        fd = os.open(folder / name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            problem = header_problem(fd)
+        finally:
+            os.close(fd)
+        if problem:
+            raise ContentError(f"adapter file {source}/{name} is not a readable safetensors file: {problem}")
 
 
 def _reflink(src: int, dst: int) -> bool:

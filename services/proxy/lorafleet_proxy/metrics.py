@@ -8,7 +8,9 @@ rely on these names: rename one here and there together.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -18,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 BROADCAST_OPS = ("load", "unload", "pause", "resume", "reset_prefix_cache")
 ROLLBACK_OPS = ("load", "pause")
 BROADCAST_OUTCOMES = ("ok", "rejected", "failed")  # 2xx/3xx, 4xx (the request), 5xx (the fleet)
+LOAD_PHASES = ("store", "load", "canary", "attest", "ledger")  # an adapter load's steps, in order (broadcast.py)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 
 
@@ -43,6 +46,10 @@ class Metrics:
         self.broadcast_seconds = Histogram("lorafleet_proxy_broadcast_duration_seconds",
                                            "Duration of fleet-wide operations.", ["op"], buckets=LATENCY_BUCKETS,
                                            registry=r)
+        self.load_phase_seconds = Histogram(
+            "lorafleet_proxy_load_phase_seconds", "Where an adapter load's time goes, by phase: store (the copy into "
+            "the content store), load (every replica's), canary, attest, ledger.", ["phase"], buckets=LATENCY_BUCKETS,
+            registry=r)
         self.rollbacks = Counter("lorafleet_proxy_broadcast_rollbacks",
                                  "Partial broadcasts undone on the replicas that had applied them, by operation.",
                                  ["op"], registry=r)
@@ -133,6 +140,8 @@ class Metrics:
                 self.broadcasts.labels(op, outcome)
         for op in ROLLBACK_OPS:
             self.rollbacks.labels(op)
+        for phase in LOAD_PHASES:
+            self.load_phase_seconds.labels(phase)
 
     def count_request(self, route: str, status: int) -> None:
         """One request answered; `route` must come from a bounded set (known paths or "other")."""
@@ -153,6 +162,15 @@ class Metrics:
         for key in [key for key in self._answer_counts if key[0] == replica or key[1] == adapter]:
             del self._answer_counts[key]
             self.answers.remove(*key)
+
+    @contextlib.contextmanager
+    def load_phase(self, phase: str) -> Iterator[None]:
+        """Time one phase of an adapter load (LOAD_PHASES), whether it succeeds or not."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.load_phase_seconds.labels(phase).observe(time.perf_counter() - started)
 
     def broadcast_done(self, op: str, status: int, seconds: float) -> None:
         """One fleet-wide operation answered with HTTP `status` after `seconds`."""

@@ -36,6 +36,7 @@ import hashlib
 import json
 import random
 import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -55,6 +56,13 @@ from lorafleet_proxy.server_protocol import CoalescingHttpToolsProtocol
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+
+def weights_file(payload: bytes) -> bytes:
+    """`payload` as a valid safetensors file (one U8 tensor holding it): the proxy's content store refuses a weights
+    file that is not one (lorafleet.safetensors_header), so a fake's adapter needs a real header around its bytes."""
+    header = json.dumps({"payload": {"dtype": "U8", "shape": [len(payload)], "data_offsets": [0, len(payload)]}})
+    return struct.pack("<Q", len(header)) + header.encode() + payload
 
 
 def vllm_error(status: int, message: str, error_type: str, param: str | None = None) -> JSONResponse:

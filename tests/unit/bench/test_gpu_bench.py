@@ -9,11 +9,14 @@ from pathlib import Path
 import gpu_bench
 import gpu_fleet
 import pytest
+import sync_bench
 import trainer_shape
 from lorafleet.gpu_sharing import fitting_fraction
 from lorafleet_ops.host_check import Gpu, NoGpu
+from lorafleet_proxy.metrics import Metrics
 from pipeline_bench import arms_for, pick_arms
-from sync_bench import publish_summary
+from prometheus_client import generate_latest
+from sync_bench import phase_means_ms, publish_summary
 
 
 def test_without_cuda_the_run_stops_with_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
@@ -68,6 +71,29 @@ def test_publish_latency_leaves_each_arms_first_load_out_and_states_the_goal():
     assert summary["fleet_s"]["p50"] == 0.18 and summary["single_replica_s"]["p50"] == 0.14
     assert summary["fleet_minus_single_p50_ms"] == 40.0 and summary["goal_met"] is True
     assert publish_summary(1, [1.0, 0.3, 0.3], [1.0, 0.1, 0.1])["goal_met"] is False
+
+
+def test_the_load_phases_are_averaged_over_the_loads_between_two_readings_of_the_proxys_histogram(monkeypatch):
+    """The publish part reads the proxy's lorafleet_proxy_load_phase_seconds after the warm-up and at the end."""
+    metrics, clock = Metrics(), iter([0.0, 5.0, 10.0, 10.2, 20.0, 20.4, 30.0, 30.03])
+    monkeypatch.setattr("lorafleet_proxy.metrics.time.perf_counter", lambda: next(clock))
+    text = {"now": ""}
+    monkeypatch.setattr(sync_bench.httpx, "get", lambda url, timeout: type("R", (), {"text": text["now"]}))
+
+    def read() -> dict[str, tuple[float, float]]:
+        text["now"] = generate_latest(metrics.registry).decode()
+        return sync_bench.load_phases("http://proxy")
+
+    with metrics.load_phase("store"):  # the warm-up: 5 s, left out
+        pass
+    before = read()
+    for _ in range(2):
+        with metrics.load_phase("store"):  # 0.2 s, then 0.4 s
+            pass
+    with metrics.load_phase("attest"):  # 0.03 s
+        pass
+    means = phase_means_ms(before, read())
+    assert means == {"store": 300.0, "load": None, "canary": None, "attest": 30.0, "ledger": None}
 
 
 # The H100's pipeline part (2026-12-07, PARTS=pipeline, 4 steps per arm, cut off at the 10-minute limit): the model

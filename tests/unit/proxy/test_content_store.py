@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from lorafleet.ledger_format import Entry, LedgerState, fingerprint
 from lorafleet_proxy.content_store import ContentError, ContentStore, NoAdapter
 from lorafleet_proxy.ledger import Ledger, ledger_path
+from lorafleet_testing.fakes import weights_file
 from test_membership import publish
 
 SOURCE = Path("runs/r/.vllm_lora/trl-policy-v1")
@@ -46,7 +47,7 @@ def test_any_set_of_files_is_stored_as_the_fingerprint_sees_it(files: dict[str, 
         source = root / SOURCE
         source.mkdir(parents=True)
         for name, data in {**files, "adapter_config.json": config}.items():
-            (source / name).write_bytes(data)
+            (source / name).write_bytes(weights_file(data) if name.endswith(".safetensors") else data)
         store = make_store(root)
         stored = store.ingest(str(source))
         assert stored.fingerprint == fingerprint(source) and stored.path == str(store.root / stored.fingerprint[7:])
@@ -315,3 +316,17 @@ def test_the_proxys_own_folders_are_refused_by_name_and_by_what_they_are(tmp_pat
     store = make_store(tmp_path)
     with pytest.raises(ContentError, match=r"the proxy's own folders|not a plain folder"):
         store.ingest(where)
+
+
+@pytest.mark.parametrize("broken", [b"rotten", b"\x00" * 8, "grown", "cut"])
+def test_a_weights_file_that_is_no_safetensors_file_is_refused_naming_it(tmp_path: Path, broken: bytes | str) -> None:
+    """vLLM would answer the load with a 500: the tenant's file is at fault, so the store refuses it (a 400)."""
+    mine, _ = _two_runs(tmp_path)
+    weights = mine / "adapter_model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good + b"\x00" if broken == "grown" else good[:-1] if broken == "cut" else broken)
+    store = make_store(tmp_path)
+    with pytest.raises(ContentError, match="is not a readable safetensors file") as refused:
+        store.ingest(SOURCE)
+    assert f"{mine}/adapter_model.safetensors" in str(refused.value)
+    assert folders(store) == set(), "something was stored"

@@ -11,6 +11,7 @@ import pytest
 from lorafleet.ledger_format import Entry, fingerprint, read
 from lorafleet_proxy import main as proxy_main
 from lorafleet_proxy.ledger import Ledger, LedgerWriteError, ledger_path
+from lorafleet_testing.fakes import weights_file
 from test_membership import publish, stored
 
 
@@ -132,11 +133,11 @@ def test_fingerprint_follows_config_and_weights_only(tmp_path: Path) -> None:
     assert fingerprint(adapter) == "", "an invisible adapter has no fingerprint"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
-    (adapter / "adapter_model.safetensors").write_bytes(b"weights-1")
+    (adapter / "adapter_model.safetensors").write_bytes(weights_file(b"weights-1"))
     first = fingerprint(adapter)
     (adapter / "README.md").write_text("docs do not count")
     assert fingerprint(adapter) == first and first.startswith("sha256:")
-    (adapter / "adapter_model.safetensors").write_bytes(b"weights-2")
+    (adapter / "adapter_model.safetensors").write_bytes(weights_file(b"weights-2"))
     assert fingerprint(adapter) != first
 
 

@@ -19,6 +19,7 @@ from lorafleet_proxy.content_store import ContentStore, Stored
 from lorafleet_proxy.fleet import Fleet, State
 from lorafleet_proxy.ledger import Ledger, ledger_path
 from lorafleet_proxy.router import Router
+from lorafleet_testing.fakes import weights_file
 
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 R1, R2, R3 = "http://r1:8000", "http://r2:8000", "http://r3:8000"
@@ -150,7 +151,7 @@ def publish(directory: Path, weights: bytes) -> Path:
     """A trainer's publish: an adapter folder with its config and weights (written over what was there)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "adapter_config.json").write_text(json.dumps({"r": 1}))
-    (directory / "adapter_model.safetensors").write_bytes(weights)
+    (directory / "adapter_model.safetensors").write_bytes(weights_file(weights))
     return directory
 
 
@@ -444,7 +445,7 @@ async def test_rebind_by_content_same_name_same_path_new_weights(
     adapter = tmp_path / "runs" / "r" / ".vllm_lora" / "trl-policy-v2"
     adapter.mkdir(parents=True)
     (adapter / "adapter_config.json").write_text("{}")
-    (adapter / "adapter_model.safetensors").write_bytes(b"published before the crash")
+    (adapter / "adapter_model.safetensors").write_bytes(weights_file(b"published before the crash"))
     await ready_fleet(fleet)
     body = {"lora_name": "trl-policy-v2", "lora_path": str(adapter)}
     assert (await broadcast.load_adapter(fleet, body)).status_code == 200
@@ -453,7 +454,7 @@ async def test_rebind_by_content_same_name_same_path_new_weights(
     assert (await broadcast.load_adapter(fleet, body)).status_code == 200
     assert engines[R1].loads == ["trl-policy-v2"], "the same content was loaded twice"
 
-    (adapter / "adapter_model.safetensors").write_bytes(b"republished after the resume")
+    (adapter / "adapter_model.safetensors").write_bytes(weights_file(b"republished after the resume"))
     assert (await broadcast.load_adapter(fleet, body)).status_code == 200
     for engine in engines.values():
         # Not the canary's probes nor attestation's reports (reads).

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from lorafleet.ledger_format import fingerprint
 from lorafleet_proxy.content_store import ContentError, ContentStore
+from lorafleet_testing.fakes import weights_file
 from lorafleet_testing.isolation.adversary import KINDS, digests, schedule
 from lorafleet_testing.isolation.checker import check
 from lorafleet_testing.isolation.plants import PLANTS, put_back
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.timeout(60)
 def publish(folder: Path, weights: bytes) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "adapter_config.json").write_text('{"r": 1}')
-    (folder / "adapter_model.safetensors").write_bytes(weights)
+    (folder / "adapter_model.safetensors").write_bytes(weights_file(weights))
     return folder
 
 

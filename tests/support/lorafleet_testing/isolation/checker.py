@@ -35,6 +35,7 @@ REASONS = {  # a refusal's reason, from its message
     "is empty": "empty file",
     "PROXY_ADAPTER_MAX_MB": "over PROXY_ADAPTER_MAX_MB",
     "changed while it was copied": "changed during the copy",
+    "not a readable safetensors file": "not a safetensors file",
     "outside the folder of": "outside the run's folder",
     "outside the adapter root": "outside the adapter root",
     "proxy's own folders": "the proxy's own folders",
