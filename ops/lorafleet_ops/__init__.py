@@ -1,5 +1,7 @@
-"""lorafleet's operations package: the `lorafleet` CLI and what operators and tests run beside the services.
+"""lorafleet's operations package: the `lorafleet` CLI and what operators run beside the services.
 
-It may import the contract package (`lorafleet`) and the services; the contract and the services never import it
-(tests/unit/test_package_graph.py). The arrows: docs/concepts/architecture.md#the-packages-and-the-arrows-between-them.
+Every image installs it, so what only tests and benchmarks run (the chaos harness, the LoRA stress driver, the fakes)
+lives in the testing room instead (`lorafleet_testing`, tests/support). It may import the contract package
+(`lorafleet`) and the services; the contract and the services never import it (tests/unit/test_package_graph.py).
+The arrows: docs/concepts/architecture.md#the-packages-and-the-arrows-between-them.
 """
