@@ -27,7 +27,7 @@ import httpx
 from lorafleet.settings import load_settings
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_proxy.app import create_app
-from lorafleet_testing.fakes import FakeReplica, start_server
+from lorafleet_testing.fakes import FakeReplica, start_server, weights_file
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +93,7 @@ async def scenario(name: str, runs: dict[str, tuple[float, int]], seconds: float
             directory = root / "runs" / run / "policy"
             directory.mkdir(parents=True)
             (directory / "adapter_config.json").write_text("{}")
+            (directory / "adapter_model.safetensors").write_bytes(weights_file(run.encode()))
             if run != "default":
                 await http.post(f"{prefix[run]}/register", json={"max_staleness": 0, "weight": weight})
             response = await http.post(f"{prefix[run]}/v1/load_lora_adapter",

@@ -37,6 +37,21 @@ PEFT_PREFIX = "base_model.model."
 LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
 
+def attest_request(names: list[str] | None = None) -> dict[str, Any]:
+    """The /collective_rpc body asking for a report: of every adapter the engine holds, or only of `names` (vLLM passes
+    only string kwargs, so they travel as one JSON list). A load needs only its own adapter's digests, and every
+    digest is a pass over the adapter's tensors inside the engine's loop, between two decode steps."""
+    body: dict[str, Any] = {"method": ATTEST_METHOD}
+    if names is not None:
+        body["kwargs"] = {"names": json.dumps(sorted(names))}
+    return body
+
+
+def requested_names(names: str) -> set[str] | None:
+    """The names a report was asked for (`attest_request`'s kwarg; "": every adapter)."""
+    return set(json.loads(names)) if names else None
+
+
 class ReportError(ValueError):
     """A /collective_rpc answer that is not an attestation report of this format."""
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from lorafleet.settings import load_settings
 from lorafleet_proxy.app import create_app
-from lorafleet_testing.fakes import start_fakes, start_server
+from lorafleet_testing.fakes import start_fakes, start_server, weights_file
 from lorafleet_testing.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -59,6 +59,7 @@ async def test_bad_admin_input_is_400_before_the_lock_and_reaches_no_replica(tmp
             slow_adapter = tmp_path / "runs" / "r" / "slow"  # the proxy copies it into its store, then asks replicas
             slow_adapter.mkdir(parents=True)
             (slow_adapter / "adapter_config.json").write_text("{}")
+            (slow_adapter / "adapter_model.safetensors").write_bytes(weights_file(b"slow"))
             slow = asyncio.create_task(client.post(LOAD, json={"lora_name": "slow", "lora_path": "runs/r/slow"}))
             while not fakes[0].loads():
                 await asyncio.sleep(0.01)

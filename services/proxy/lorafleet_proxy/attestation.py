@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from lorafleet.engine_identity import ATTEST_METHOD, AdapterIdentity, Report, ReportError, parse_report
+from lorafleet.engine_identity import AdapterIdentity, Report, ReportError, attest_request, parse_report
 from lorafleet.ledger_format import Entry
 from lorafleet.vllm_api import VLLMError, VLLMUnreachable
 
@@ -106,9 +106,10 @@ class AttestationWatch:
         self.metrics = metrics
         self.rounds = 0
 
-    async def read(self, replica: Replica) -> Report | None:
-        """The replica's report, or None: unreachable (the health loop's to judge) or unable to attest (marked)."""
-        body = {"method": ATTEST_METHOD, "timeout": RPC_TIMEOUT_S}
+    async def read(self, replica: Replica, names: list[str] | None = None) -> Report | None:
+        """The replica's report (of `names` only, when given), or None: unreachable (the health loop's to judge) or
+        unable to attest (marked)."""
+        body = {**attest_request(names), "timeout": RPC_TIMEOUT_S}
         try:
             answer = await replica.client.request("POST", "/collective_rpc", json_body=body, timeout=RPC_TIMEOUT_S)
             return parse_report(answer.json())
@@ -123,12 +124,18 @@ class AttestationWatch:
             log.warning("replica unattested url=%s: %s", replica.url, why)
         replica.attestation = Seen("unattested", why[:300], {}, time.monotonic(), replica.attestation.trusted_at)
 
-    def accept(self, replica: Replica, report: Report, verdict: Verdict) -> None:
-        """Note what a report showed on the replica: the digest per adapter it holds and when (provenance)."""
+    def accept(self, replica: Replica, report: Report, verdict: Verdict, *, partial: bool = False) -> None:
+        """Note what a report showed on the replica: the digest per adapter it holds and when (provenance). A `partial`
+        report (a load's: its adapter only) adds its digests to the last full report's and keeps that report's time, so
+        the age shown is never younger than the digest it stands for."""
         digests = {name: held.weights for name, held in report.adapters.items() if name not in verdict.problems}
         failure = "; ".join(verdict.problems.values()) or None
         trusted = replica.attestation.trusted_at if failure else time.time()
-        replica.attestation = Seen("disagrees" if failure else "attested", failure, digests, time.monotonic(), trusted)
+        seen, at = replica.attestation, time.monotonic()
+        if partial:
+            digests = {**seen.digests, **digests}
+            at = seen.at if seen.at is not None else at
+        replica.attestation = Seen("disagrees" if failure else "attested", failure, digests, at, trusted)
         self.metrics.attestations.labels("disagrees" if failure else "attested").inc()
         if failure:
             log.error("replica attestation disagrees url=%s (answers since %s are flagged): %s", replica.url,
@@ -156,7 +163,7 @@ class AttestationWatch:
     async def at_load(self, name: str, entry: Entry, holders: list[Replica]) -> tuple[Entry, dict[Replica, str]]:
         """Right after `name` was loaded as `entry` on `holders`: (the entry with the references the first attesting
         replica of each group set, the replicas whose engine disagrees with why)."""
-        reports = await asyncio.gather(*(self.read(replica) for replica in holders))
+        reports = await asyncio.gather(*(self.read(replica, [name]) for replica in holders))
         odd: dict[Replica, str] = {}
         for replica, report in zip(holders, reports, strict=True):
             held = report.adapters.get(name) if report is not None else None
@@ -167,7 +174,7 @@ class AttestationWatch:
                 why, entry = compare(name, entry, report.group, held)
             if why is not None:
                 odd[replica] = why
-            self.accept(replica, report, Verdict({name: why} if why else {}, {}))
+            self.accept(replica, report, Verdict({name: why} if why else {}, {}), partial=True)
         return entry, odd
 
     async def round(self) -> None:

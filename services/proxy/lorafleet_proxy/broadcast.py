@@ -112,7 +112,7 @@ async def load_adapter(fleet: Fleet, body: dict[str, Any], run: str = DEFAULT_RU
     if isinstance(checked, JSONResponse):
         return checked
     name, path = checked
-    with fleet.metrics.load_phase("store"):
+    with fleet.load_phase("store"):
         stored = await _store(fleet, path)
     if isinstance(stored, JSONResponse):
         return stored
@@ -149,23 +149,23 @@ async def _load(fleet: Fleet, targets: list[Replica], name: str, entry: Entry,
             return rebound
     todo = [replica for replica in targets if replica.state is State.READY and not replica.holds(name, entry)]
     deadline = time.monotonic() + fleet.load_timeout_s
-    with fleet.metrics.load_phase("load"):
+    with fleet.load_phase("load"):
         results = await _each(fleet, todo, lambda replica: _load_one(replica, name, path, deadline))
     loaded = [replica for replica, result in results if not isinstance(result, VLLMError)]
     failed = _failures(results)
     if failed:
         return await _roll_back(fleet, name, loaded, failed, len(targets))
     if fleet.paused is None:  # a paused replica would queue the probe: the round after the resume asks
-        with fleet.metrics.load_phase("canary"):
+        with fleet.load_phase("canary"):
             refusal = await _canary_gate(fleet, name, entry, [r for r in targets if r.state is State.READY], deadline)
         if refusal is not None:
             return refusal
-    with fleet.metrics.load_phase("attest"):
+    with fleet.load_phase("attest"):
         attested = await _attestation_gate(fleet, name, entry, [r for r in targets if r.state is State.READY])
     if not isinstance(attested, Entry):
         return attested
     entry = attested
-    with fleet.metrics.load_phase("ledger"):
+    with fleet.load_phase("ledger"):
         recorded = fleet.record_load(name, entry, planned.runs)
     if (exc := recorded) is not None:
         await _unload_from(fleet, name, loaded, "rollback after a failed ledger write")

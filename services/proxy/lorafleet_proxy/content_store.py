@@ -180,6 +180,9 @@ class ContentStore:
         names = adapter_files(os.listdir(folder))
         if CONFIG_FILE not in names:
             raise NoAdapter(f"No adapter found for {source}: no {CONFIG_FILE} there")
+        if not any(name.endswith(WEIGHTS_SUFFIX) for name in names):  # vLLM: 500 "doesn't contain tensors"
+            raise ContentError(f"adapter path {source} has {CONFIG_FILE} but no weights file (*{WEIGHTS_SUFFIX}): a "
+                               "load needs the adapter's weights as safetensors")
         os.mkdir(temp, FOLDER_MODE)
         digest, cloned, budget = ContentHash(), False, self.max_bytes
         for name in names:

@@ -381,6 +381,10 @@ class Fleet:
         await self._attestation.check(replica)
         await self._canary.verify(replica)
 
+    def load_phase(self, phase: str) -> contextlib.AbstractContextManager[None]:
+        """Times one phase of an adapter load (metrics.LOAD_PHASES)."""
+        return self.metrics.load_phase(phase)
+
     async def attest_load(self, name: str, entry: Entry, holders: list[Replica]) -> tuple[Entry, dict[Replica, str]]:
         """Attestation right after a load: (the entry with its references, the disagreeing replicas and why)."""
         return await self._attestation.at_load(name, entry, holders)

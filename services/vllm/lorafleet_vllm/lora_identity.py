@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-from lorafleet.engine_identity import DIGEST_PREFIX, REPORT_FORMAT, named_modules
+from lorafleet.engine_identity import DIGEST_PREFIX, REPORT_FORMAT, named_modules, requested_names
 
 TAG = "lorafleet_request"  # (name, path) on a LoRAModel, set by the wrapped _load_adapter
 
@@ -130,19 +130,20 @@ def identity(manager: Any, lora_id: int, model: Any, named: Callable[[str], Iter
             "applied": applied_projections(manager, model), "named": None if files is None else list(files)}
 
 
-def report(manager: Any, version: str, dtype: str) -> dict[str, Any]:
-    """The worker's report: every registered adapter, and which id each slot holds."""
+def report(manager: Any, version: str, dtype: str, names: Collection[str] | None = None) -> dict[str, Any]:
+    """The worker's report: every registered adapter (or those of `names`), and which id each slot holds."""
     adapters = manager.list_adapters()
     return {"format": REPORT_FORMAT, "vllm": version, "dtype": dtype, "slots": list(manager.lora_index_to_id),
-            "adapters": [identity(manager, lora_id, model, named_modules) for lora_id, model in adapters.items()]}
+            "adapters": [identity(manager, lora_id, model, named_modules) for lora_id, model in adapters.items()
+                         if names is None or getattr(model, TAG, ("",))[0] in names]}
 
 
 class LoraIdentity:
     """Mixed into vLLM's worker class: every attribute is prefixed, since vLLM refuses an extension attribute the
     worker already has."""
 
-    def lorafleet_lora_identity(self) -> dict[str, Any]:
-        """The report of this worker (called through /collective_rpc)."""
+    def lorafleet_lora_identity(self, names: str = "") -> dict[str, Any]:
+        """The report of this worker (called through /collective_rpc; `names`: engine_identity.attest_request's)."""
         import vllm
 
         runner: Any = self.model_runner  # type: ignore[attr-defined]
@@ -151,7 +152,7 @@ class LoraIdentity:
             return {"format": REPORT_FORMAT, "vllm": vllm.__version__, "dtype": "", "slots": [], "adapters": []}
         config = self.vllm_config  # type: ignore[attr-defined]
         dtype = f"{config.model_config.dtype}/{config.lora_config.lora_dtype}"  # the LoRA dtype may be "auto"
-        return report(lora_manager._adapter_manager, vllm.__version__, dtype)
+        return report(lora_manager._adapter_manager, vllm.__version__, dtype, requested_names(names))
 
 
 tag_loads()

@@ -39,7 +39,8 @@ def folders(store: ContentStore) -> set[str]:
 
 
 @settings(max_examples=40, deadline=None)
-@given(files=st.dictionaries(FILE_NAMES, st.binary(min_size=1, max_size=3000), max_size=5),
+@given(files=st.dictionaries(FILE_NAMES, st.binary(min_size=1, max_size=3000), max_size=5).filter(
+    lambda files: any(name.endswith(".safetensors") for name in files)),
        config=st.binary(min_size=1, max_size=200))
 def test_any_set_of_files_is_stored_as_the_fingerprint_sees_it(files: dict[str, bytes], config: bytes) -> None:
     with tempfile.TemporaryDirectory() as tmp:
@@ -329,4 +330,15 @@ def test_a_weights_file_that_is_no_safetensors_file_is_refused_naming_it(tmp_pat
     with pytest.raises(ContentError, match="is not a readable safetensors file") as refused:
         store.ingest(SOURCE)
     assert f"{mine}/adapter_model.safetensors" in str(refused.value)
+    assert folders(store) == set(), "something was stored"
+
+
+def test_a_folder_with_its_config_and_no_weights_file_is_refused(tmp_path: Path) -> None:
+    """The isolation attack's swap-file race listed the folder while its weights file was away: vLLM answers a load
+    of such a copy with 500 "doesn't contain tensors"."""
+    mine, _ = _two_runs(tmp_path)
+    (mine / "adapter_model.safetensors").unlink()
+    store = make_store(tmp_path)
+    with pytest.raises(ContentError, match="no weights file"):
+        store.ingest(SOURCE)
     assert folders(store) == set(), "something was stored"

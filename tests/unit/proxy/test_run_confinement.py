@@ -27,6 +27,7 @@ from lorafleet.settings import StackSettings, load_settings
 from lorafleet_proxy.app import create_app
 from lorafleet_proxy.content_store import ContentError, ContentStore, NoAdapter
 from lorafleet_proxy.runs.confinement import OutsideRunFolder, confine_load, load_folders
+from lorafleet_testing.fakes import weights_file
 
 NON_RUN = "<non-run>"  # an anchor in the root's non-run part (models/, ...)
 # anchor (relative to the root) -> (the folder under runs/ it names as written, no symlink on the way)
@@ -59,6 +60,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for folder in PLAIN:
         (root / folder).mkdir(parents=True)
         (root / folder / "adapter_config.json").write_text(folder)  # its fingerprint names the folder
+        (root / folder / "adapter_model.safetensors").write_bytes(weights_file(folder.encode()))
     (root / "runs/b/.vllm_lora/not-published-yet").mkdir(parents=True)
     (outside / "x").mkdir(parents=True)
     (root / "runs/b/.vllm_lora/to-a").symlink_to(root / "runs/a/.vllm_lora/trl-policy-v1")

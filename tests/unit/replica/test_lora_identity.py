@@ -11,7 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lorafleet_vllm.lora_identity import applied_projections, slot_digest, weights_digest
+from lorafleet.engine_identity import ATTEST_METHOD, attest_request, requested_names
+from lorafleet_vllm.lora_identity import TAG, applied_projections, report, slot_digest, weights_digest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,3 +66,24 @@ def test_renamed_modules_apply_nothing_and_an_absent_projection_is_hashed_and_no
     whole = SimpleNamespace(loras={"m.qk_proj": SimpleNamespace(lora_a=[torch.ones(2, 8), torch.ones(2, 8)],
                                                                  lora_b=[torch.ones(6, 2), torch.ones(6, 2)])}, rank=2)
     assert weights_digest(whole) != weights_digest(packed)
+
+
+def test_a_report_asked_for_some_names_holds_exactly_those_and_every_slot() -> None:
+    """A load's attestation asks for its adapter only (engine_identity.attest_request): the report digests that one,
+    not every adapter the engine holds, and still lists which id each slot holds."""
+    models = {lora_id: adapter(2, lora_id) for lora_id in (3, 5, 7)}
+    for lora_id, model in models.items():
+        setattr(model, TAG, (f"run--v{lora_id}", f"/store/{lora_id}"))
+    manager = manager_holding(models[5], slots=4, slot=1, max_rank=4)
+    manager.list_adapters = lambda: models
+    manager.lora_index_to_id = [None, 5, None, None]
+    asked = attest_request(["run--v5", "run--v7"])
+    assert asked["method"] == ATTEST_METHOD
+    names = requested_names(asked["kwargs"]["names"])
+    partial = report(manager, "0.31.0", "torch.float32", names)
+    assert [entry["name"] for entry in partial["adapters"]] == ["run--v5", "run--v7"]
+    assert partial["slots"] == [None, 5, None, None]
+    assert partial["adapters"][0]["weights"] == weights_digest(models[5]) == partial["adapters"][0]["slot_weights"]
+    assert "kwargs" not in attest_request() and requested_names("") is None
+    every = report(manager, "0.31.0", "torch.float32", requested_names(""))
+    assert [entry["name"] for entry in every["adapters"]] == ["run--v3", "run--v5", "run--v7"]

@@ -36,6 +36,7 @@ REASONS = {  # a refusal's reason, from its message
     "PROXY_ADAPTER_MAX_MB": "over PROXY_ADAPTER_MAX_MB",
     "changed while it was copied": "changed during the copy",
     "not a readable safetensors file": "not a safetensors file",
+    "no weights file": "no weights file",
     "outside the folder of": "outside the run's folder",
     "outside the adapter root": "outside the adapter root",
     "proxy's own folders": "the proxy's own folders",
