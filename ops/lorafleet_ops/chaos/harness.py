@@ -21,9 +21,9 @@ from lorafleet.adapters import run_dir
 from lorafleet.ledger_format import LedgerFileError, ledger_path, read
 from lorafleet.logs import log_event
 from lorafleet.run_key_store import provision, write_private
+from lorafleet_trainer.checkpoints import WRITING_MARKER
 from lorafleet_trainer.prompt_log import read_prompt_log
 from lorafleet_trainer.recipes import TINY_PROMPTS
-from lorafleet_trainer.run_state import WRITING_MARKER
 
 from lorafleet_ops.chaos import disk
 from lorafleet_ops.chaos.checker import ADAPTERS, MANIFEST, OBSERVED, Report, check_folder
