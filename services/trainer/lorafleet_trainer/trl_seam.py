@@ -174,7 +174,7 @@ PATCHES: tuple[Patch, ...] = (
           "resilience.py: TRL's control calls (pause, load, resume, unload) send the run key and ride out a proxy "
           "restart (the proxy client's retrying session)",
           "none: VLLMClient calls the module's requests.get/post; a session or headers argument would remove it",
-          (Expects(VLLM_CLIENT, "requests"), Expects(VLLM_CLIENT, "VLLMClient.load_lora_adapter"))),
+          (Expects(VLLM_CLIENT, "requests"), Expects(VLLM_CLIENT, "VLLMClient.pause"))),
     Patch("wrap_adapter_load", f"{VLLM_CLIENT}.VLLMClient.load_lora_adapter",
           "published_files.py: the adapter's files made readable by the proxy (another user) before it is loaded",
           "none: the trainer builds its VLLMClient itself; a vllm_client argument, or TRL writing the adapter's "
