@@ -33,10 +33,10 @@ from lorafleet.adapters import lora_dir, policy_name, policy_version, run_dir
 from lorafleet.ports import free_port
 from lorafleet_ops.processes import Service
 from lorafleet_testing.gate import LoadGate
+from lorafleet_trainer.checkpoints import WRITING_MARKER, checkpoint_complete
 from lorafleet_trainer.prompt_log import effective, read_prompt_log, rollback_breach, stream_breach, version_breach
 from lorafleet_trainer.recipes import TINY_PROMPTS
 from lorafleet_trainer.resume import rollback_bound
-from lorafleet_trainer.run_state import WRITING_MARKER, checkpoint_complete
 
 pytestmark = pytest.mark.integration
 

@@ -67,9 +67,9 @@ from lorafleet_testing.stack_driver import (
 )
 from lorafleet_testing.stack_plan import RUN_NAME, Profile, StackPlan, ledger, metric_rows, url_host
 from lorafleet_testing.traffic import Traffic as CompletionTraffic
+from lorafleet_trainer.checkpoints import WRITING_MARKER
 from lorafleet_trainer.prompt_log import PROMPTS_FILE, effective
 from lorafleet_trainer.recipes import TINY_PROMPTS
-from lorafleet_trainer.run_state import WRITING_MARKER
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(3600)]
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from lorafleet_trainer import trl_seam
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("fa3", "builtin", "torch")
@@ -261,8 +263,6 @@ def install(backend: str) -> None:
     """
     if backend == "fa3":
         return
-    from trl.experimental.async_grpo import packing
-
     kernel = SimpleNamespace(flash_attn_varlen_func=KERNELS[backend])
-    packing._flash_attn = lambda: kernel
+    trl_seam.set_attention_kernel(lambda: kernel)
     log.info("attention kernel installed in place of FA3", extra={"fields": {"backend": backend}})

@@ -16,6 +16,7 @@ from typing import Any
 from lorafleet.lora import build_lora_config
 from lorafleet.settings import ConfigError, TrainerSettings
 
+from lorafleet_trainer.proxy_client import ProxyClient
 from lorafleet_trainer.ranks import RankPlan
 
 # The published recipe's optimizer setting (the train script of the reference deployment).
@@ -145,7 +146,7 @@ def grpo_fields(settings: TrainerSettings, *, replicas: int, ranks: RankPlan) ->
     bf16 = use_bf16(settings, cuda)
     return dict(
         output_dir=str(settings.run_dir),
-        vllm_server_base_url=settings.trainer_vllm_url.rstrip("/"),
+        vllm_server_base_url=ProxyClient.from_settings(settings, run_key="").url,  # the URL every call uses
         vllm_server_timeout=settings.trainer_server_timeout_s,
         learning_rate=settings.learning_rate,
         adam_beta2=ADAM_BETA2,

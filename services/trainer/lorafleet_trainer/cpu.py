@@ -11,6 +11,8 @@ import logging
 
 import torch
 
+from lorafleet_trainer import trl_seam
+
 log = logging.getLogger(__name__)
 
 
@@ -25,9 +27,7 @@ def install_cpu_support(threads: int = 0) -> None:
     `threads` > 0 caps torch's threads: next to vLLM replicas on the same cores, OpenMP spinning
     on busy cores made a step ~5x slower than one thread.
     """
-    from trl.experimental.async_grpo import async_grpo_trainer
-
-    async_grpo_trainer.get_peak_flops_per_device = _no_peak_flops
+    trl_seam.set_peak_flops_query(_no_peak_flops)
     if threads:
         torch.set_num_threads(threads)
     log.info("CPU mode: MFU metrics off", extra={"fields": {"torch_threads": torch.get_num_threads()}})

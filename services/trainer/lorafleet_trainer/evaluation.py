@@ -29,7 +29,7 @@ from lorafleet.settings import TrainerSettings
 from transformers import TrainerCallback
 from trl.trainer.utils import get_callable_name
 
-from lorafleet_trainer.run_key_file import bearer
+from lorafleet_trainer.proxy_client import ProxyClient
 from lorafleet_trainer.tasks.checks import environment_tools
 from lorafleet_trainer.tasks.guards import FaultLog, guard_environment, guard_reward, guard_tool
 from lorafleet_trainer.tasks.spec import Task
@@ -90,8 +90,8 @@ class Evaluator:
         started = time.monotonic()
         rows = [self.task.eval_dataset[index] for index in range(len(self.task.eval_dataset))]
         limit = asyncio.Semaphore(CONCURRENCY)
-        async with httpx.AsyncClient(base_url=self.settings.trainer_vllm_url.rstrip("/"), headers=bearer(self.run_key),
-                                     timeout=self.settings.trainer_server_timeout_s) as client:
+        proxy = ProxyClient.from_settings(self.settings, self.run_key)
+        async with proxy.http(timeout=self.settings.trainer_server_timeout_s) as client:
             async def bounded(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[int], float | None, bool]:
                 async with limit:
                     return await self.episode(client, row, f"{POLICY}-v{model_version}")

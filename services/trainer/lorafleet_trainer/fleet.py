@@ -21,7 +21,7 @@ from lorafleet.runs import DEFAULT_RUN, url_run
 from lorafleet.settings import TrainerSettings
 from lorafleet.vllm_api import VLLMClient, VLLMError, VLLMUnreachable
 
-from lorafleet_trainer.resilience import RETRY_STATUSES
+from lorafleet_trainer.proxy_client import RETRY_STATUSES, ProxyClient
 
 log = logging.getLogger(__name__)
 PREFLIGHT_GROUP = "lorafleet.preflight"
@@ -182,7 +182,7 @@ async def doctor_preflight(settings: TrainerSettings, lora_config: Any) -> None:
 
 def fleet_client(settings: TrainerSettings, run_key: str) -> VLLMClient:
     """A client for TRAINER_VLLM_URL that sends `run_key` as its Bearer key ("" = none)."""
-    return VLLMClient(settings.trainer_vllm_url, token=run_key)
+    return ProxyClient.from_settings(settings, run_key).control()
 
 
 async def fleet_size(settings: TrainerSettings, *, run_key: str, stopping: Callable[[], bool] = never) -> int:

@@ -38,9 +38,10 @@ import aiohttp
 from lorafleet.settings import ConfigError, TrainerSettings
 from trl.experimental.async_grpo import async_rollout_worker as trl_worker
 
+from lorafleet_trainer import trl_seam
 from lorafleet_trainer.episodes import CURRENT, MIXED_METRIC, Episode
 from lorafleet_trainer.provenance import Answer, answer_from
-from lorafleet_trainer.run_key_file import bearer
+from lorafleet_trainer.proxy_client import ProxyClient
 from lorafleet_trainer.tasks.guards import FaultLog, guard_environment, guard_reward, guard_tool
 
 log = logging.getLogger("lorafleet_trainer.rollouts")  # not TRL's: accelerate's logger raises before PartialState()
@@ -194,7 +195,7 @@ class FleetRolloutLoop(_TRL_LOOP):
     def session(self, session: Any) -> None:
         """TRL stores the session it opened in `_run_loops` here, before its first request."""
         if session is not None:
-            session.headers.update(bearer(getattr(self, "_run_key", "")))
+            session.headers.update(ProxyClient(self.vllm_server_url, getattr(self, "_run_key", "")).headers)
         self.__dict__["_fleet_session"] = session
 
     async def _retry(self, coro_factory: Callable[[], Awaitable[Any]], *, label: str, max_attempts: int = 1) -> Any:
@@ -285,9 +286,9 @@ def wire_rollouts(trainer: Any, run_key: str, settings: TrainerSettings) -> None
         raise RolloutsUnsupported("TRL's rollout worker has no _loop_kwargs: the settings cannot reach its child")
     if getattr(worker, "_process", None) is not None:
         raise RolloutsUnsupported("the rollout worker was started before it was wired to the fleet")
-    worker._loop_cls = FleetRolloutLoop
-    worker._loop_kwargs[RUN_KEY_KWARG] = run_key
-    worker._loop_kwargs[FLEET_WAIT_KWARG] = settings.trainer_fleet_wait_s
-    worker._loop_kwargs[TASK_TIMEOUT_KWARG] = settings.task_timeout_s
-    worker._loop_kwargs[PIN_EPISODES_KWARG] = settings.trainer_pin_episodes
-    worker._loop_kwargs[MAX_STALENESS_KWARG] = settings.max_staleness
+    trl_seam.set_loop_class(worker, FleetRolloutLoop)
+    trl_seam.set_loop_kwargs(worker, **{
+        RUN_KEY_KWARG: run_key, FLEET_WAIT_KWARG: settings.trainer_fleet_wait_s,
+        TASK_TIMEOUT_KWARG: settings.task_timeout_s, PIN_EPISODES_KWARG: settings.trainer_pin_episodes,
+        MAX_STALENESS_KWARG: settings.max_staleness,
+    })

@@ -2,12 +2,12 @@
 
 Settings (TrainerSettings: the common and trainer sections) come from the environment (and .env) like every lorafleet
 service's; each trainer setting also has a flag (`--learning-rate 1e-4` = LEARNING_RATE=1e-4, flags win). The task's
-defaults fill only what nobody set. Order of work: settings -> a run whose newest checkpoint reached MAX_STEPS ends
-here (already_complete) -> the task, built and checked (tasks/) -> fleet size ->
-configs (printed) -> preflight (refuse what cannot serve adapter-only sync, or too little free disk) -> sweep
-stale policy names ->
-train (resuming from the newest complete checkpoint: weights, optimizer, RNG, the prompt stream's position and the
-adapter numbering, resume.py) -> export <run>/final-adapter. A signal, RUN_MAX_STEPS,
+defaults fill only what nobody set. `train()` is its phases, in order: check (start_checks.py: disk, a run whose
+newest checkpoint reached MAX_STEPS ends here (already_complete), the task, the fleet's size; no heavy import) ->
+start (the rollout fork server) -> build (configs, printed; preflight: refuse what cannot serve adapter-only sync;
+sweep stale policy names; TRL patched (trl_seam.py) and the trainer built) -> wire (the built trainer's TRL objects)
+-> run (resuming from the newest complete checkpoint: weights, optimizer, RNG, the prompt stream's position and the
+adapter numbering, resume.py) -> finish (export <run>/final-adapter). A signal, RUN_MAX_STEPS,
 RUN_MAX_WALL_S or low disk ends training early with a checkpoint and exit 0 (lifecycle.py).
 With several ranks (TRAINER_GPUS, TRAINER_RANKS) this process launches them and each runs the above;
 rank 0 alone talks to the fleet (ranks.py).
@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ from lorafleet.logs import configure, log_event
 from lorafleet.settings import ConfigError, TrainerSettings, env_name, load_settings
 from lorafleet.vllm_api import VLLMError
 
-from lorafleet_trainer import early_stop
+from lorafleet_trainer import early_stop, trl_seam
 from lorafleet_trainer.ranks import (
     Launcher,
     RankContext,
@@ -43,13 +43,26 @@ from lorafleet_trainer.ranks import (
     select_gpus,
 )
 from lorafleet_trainer.run_key_file import read_run_key
+from lorafleet_trainer.start_checks import (
+    EXIT_PREFLIGHT,
+    Checked,
+    StartEnded,
+    Unspent,
+    check_start,
+    refuse_spent_start,
+    stopped_before_training,
+)
+from lorafleet_trainer.stops import CEILINGS, StopDecision, StoppedWhileWaiting
 from lorafleet_trainer.tasks.loader import read_task_settings
 
 if TYPE_CHECKING:
+    from lorafleet_trainer.attention import Choice
     from lorafleet_trainer.config import TrainerConfigs
+    from lorafleet_trainer.evaluation import EvalCallback
     from lorafleet_trainer.fast_step.options import StepOptions
     from lorafleet_trainer.lifecycle import RunLifecycle
-    from lorafleet_trainer.run_state import Checkpoint
+    from lorafleet_trainer.ratio_by_replica import ReplicaRatios
+    from lorafleet_trainer.resume import PromptTracker
     from lorafleet_trainer.tasks.spec import Task
 
 log = logging.getLogger("lorafleet_trainer")
@@ -66,7 +79,6 @@ FLAG_FIELDS = (
     "task_timeout_s", "eval_every_steps", "trainer_pin_episodes",
 )
 EXIT_CONFIG = 2
-EXIT_PREFLIGHT = 3
 EXIT_CRASH = 1
 
 
@@ -93,125 +105,148 @@ def resolve_settings(overrides: dict[str, Any]) -> TrainerSettings:
 
 
 def train(settings: TrainerSettings, plan: RankPlan, context: RankContext, dry_run: bool = False, *,
-          run_key: str) -> int:
+          run_key: str, unspent: Unspent) -> int:
     """Build and run the trainer as rank `context.rank` of `plan`; returns the process exit code.
 
-    `run_key` (read_run_key: TRAINER_RUN_KEY_FILE's content, "" = none) goes on every call to the fleet.
+    `run_key` (read_run_key: TRAINER_RUN_KEY_FILE's content, "" = none) goes on every call to the fleet; `unspent`
+    is what main's refusals of a spent start found (start_checks.refuse_spent_start). The phases run in this order,
+    each ending the start (StartEnded) where it must: the cheap checks before any heavy import.
     """
-    if not dry_run and context.rank == 0:  # the environment is final: the task file, the devices
+    try:
+        checked = check_start(settings, unspent, main_rank=context.rank == 0, dry_run=dry_run, run_key=run_key)
+        if not dry_run:
+            start_rollout_server(checked)
+        configs, attention = configure_run(settings, plan, checked)
+        if dry_run:
+            return 0
+        swept = ready_fleet(settings, configs, checked, run_key)
+        built = build(settings, configs, checked, swept, run_key, backend=attention.backend, cuda=plan.device == "cuda")
+        wire(built, run_key, settings)
+    except StartEnded as ended:
+        return ended.code
+    return run_until_stopped(built.trainer, built.lifecycle, checked.resume_from)
+
+
+@dataclass(frozen=True)
+class Built:
+    """The built trainer, its lifecycle callback and the callbacks `wire` binds to it."""
+
+    trainer: Any
+    lifecycle: RunLifecycle
+    evaluation: list[EvalCallback]
+    ratios: ReplicaRatios
+    prompts: PromptTracker
+
+
+def start_rollout_server(checked: Checked) -> None:
+    """Rank 0's fork server for TRL's rollout child, started once the checks passed and the environment is final
+    (the task file, the devices): its imports run beside this process's own (rollout_server.py)."""
+    if checked.main_rank:
         from lorafleet_trainer import rollout_server
 
-        rollout_server.start()  # TRL's rollout child's imports, beside this process's own below
+        rollout_server.start()
+
+
+def configure_run(settings: TrainerSettings, plan: RankPlan, checked: Checked) -> tuple[TrainerConfigs, Choice]:
+    """The configs and the attention kernel, with every config error raised before the fleet is changed (a forced
+    kernel that cannot run here, a TRL whose rollouts could not send the key, a checkpoint the ranks cannot load);
+    the effective configuration logged."""
     from lorafleet_trainer.attention import UnsupportedAttention, choose_backend
+    from lorafleet_trainer.checkpoints import check_resumable
     from lorafleet_trainer.config import build_configs
+    from lorafleet_trainer.fleet_rollouts import check_rollout_hooks
+
+    cuda = plan.device == "cuda"
+    try:
+        attention = choose_backend(settings.trainer_attention, cuda=cuda)
+    except UnsupportedAttention as exc:
+        raise ConfigError(str(exc)) from exc
+    if checked.main_rank:
+        log_event(log, "attention_backend", backend=attention.backend, reason=attention.reason)
+    check_rollout_hooks()  # a TRL whose rollouts could not send the key or wait for the fleet: a config error, here
+    task_settings = checked.task.settings if checked.task else read_task_settings(settings.trainer_task)[0]
+    configs = build_configs(settings, replicas=checked.replicas, ranks=plan, trl_args=task_settings.trl_args)
+    if checked.checkpoint:
+        check_resumable(checked.checkpoint, fsdp2=plan.sharding == "fsdp2")
+    if checked.main_rank:
+        log_event(
+            log, "effective_config", task=settings.trainer_task, base_model=settings.base_model,
+            device=plan.device, attention=attention.backend, threads=None if cuda else settings.trainer_cpu_threads,
+            resume_from=checked.resume_from, checkpoint_keep=settings.checkpoint_keep,
+            run_max_steps=settings.run_max_steps, run_max_wall_s=settings.run_max_wall_s,
+            min_free_gb=settings.trainer_min_free_gb, **configs.summary(),
+        )
+    return configs, attention
+
+
+def ready_fleet(settings: TrainerSettings, configs: TrainerConfigs, checked: Checked, run_key: str) -> list[str]:
+    """The fleet registered, preflighted and swept of stale policy names (rank 0); returns the swept names. A stop
+    before or during it, or a refusal, ends the start."""
+    from lorafleet_trainer.fleet import PreflightError, StopRequested, prepare_fleet
+
+    if stopped_before_training(checked.stops, checked.resume_from):
+        raise StartEnded(0)
+    if not checked.main_rank:
+        return []
+    try:
+        return asyncio.run(prepare_fleet(settings, configs.lora, run_key=run_key,
+                                         stopping=checked.stops.stop_requested))
+    except StopRequested:
+        stopped_before_training(checked.stops, checked.resume_from)
+        raise StartEnded(0) from None
+    except (PreflightError, VLLMError) as exc:
+        log_event(log, "refused", logging.ERROR, reason=str(exc))
+        raise StartEnded(EXIT_PREFLIGHT) from None
+
+
+def build(settings: TrainerSettings, configs: TrainerConfigs, checked: Checked, swept: list[str], run_key: str, *,
+          backend: str, cuda: bool) -> Built:
+    """TRL's modules patched (the seam's first part: the trainer's own __init__ asks the fleet), then the trainer
+    with its callbacks, in the order their hooks must run."""
     from lorafleet_trainer.evaluation import eval_callbacks
     from lorafleet_trainer.exporter import exporter_callbacks
-    from lorafleet_trainer.fleet import PreflightError, StopRequested, fleet_size, prepare_fleet
-    from lorafleet_trainer.fleet_rollouts import check_rollout_hooks, wire_rollouts
-    from lorafleet_trainer.lifecycle import Limits, RunLifecycle, shield_rollout_worker
-    from lorafleet_trainer.provenance import record_rollouts
+    from lorafleet_trainer.lifecycle import RunLifecycle
+    from lorafleet_trainer.proxy_client import ProxyClient
     from lorafleet_trainer.published_files import readable_before_load
     from lorafleet_trainer.ratio_by_replica import ReplicaRatios
     from lorafleet_trainer.ratio_report import RatioReporter
     from lorafleet_trainer.resilience import retry_control_calls
     from lorafleet_trainer.resume import PromptTracker
-    from lorafleet_trainer.run_state import MetricsJsonl, check_resumable, newest_checkpoint
-    from lorafleet_trainer.tasks.checks import prepare_task
+    from lorafleet_trainer.run_state import MetricsJsonl
 
-    lifecycle = RunLifecycle(Limits.from_settings(settings))  # RUN_MAX_WALL_S counts from here
-    if not dry_run and (low_disk := lifecycle.low_disk()):
-        log_event(log, "refused", logging.ERROR, reason=f"refusing to start: {low_disk}")
-        return EXIT_PREFLIGHT
-    if not dry_run:  # a stop from here on, or one held since the process started, ends the start with exit 0
-        lifecycle.install_signal_handlers()
-    cuda = plan.device == "cuda"
-    main_rank = context.rank == 0  # the one process that talks to the fleet
-    checkpoint = newest_checkpoint(settings.run_dir) if settings.trainer_resume else None
-    if not dry_run and already_complete(settings, checkpoint, main_rank):
-        return 0
-    try:  # before anything touches the fleet: a forced kernel that cannot run here is a config error
-        attention = choose_backend(settings.trainer_attention, cuda=cuda)
-    except UnsupportedAttention as exc:
-        raise ConfigError(str(exc)) from exc
-    if main_rank:
-        log_event(log, "attention_backend", backend=attention.backend, reason=attention.reason)
-    check_rollout_hooks()  # a TRL whose rollouts could not send the key or wait for the fleet: a config error, here
-    if run_key and main_rank:
-        log_event(log, "run_key_used", file=settings.trainer_run_key_file)  # never the key itself
-    task = None
-    if not dry_run:  # built and checked before the fleet is asked anything: a broken task changes nothing there
-        task, _ = prepare_task(settings)
-        if main_rank:
-            log_event(log, "task_ready", **task.summary())
-    try:
-        replicas = settings.trainer_replicas or (
-            1 if dry_run or not main_rank
-            else asyncio.run(fleet_size(settings, run_key=run_key, stopping=lifecycle.stop_requested))
-        )
-    except StopRequested:
-        stopped_before_training(lifecycle, None)
-        return 0
-    except (PreflightError, VLLMError) as exc:
-        log_event(log, "refused", logging.ERROR, reason=str(exc))
-        return EXIT_PREFLIGHT
-    task_settings = task.settings if task else read_task_settings(settings.trainer_task)[0]
-    configs = build_configs(settings, replicas=replicas, ranks=plan, trl_args=task_settings.trl_args)
-    if checkpoint:
-        check_resumable(checkpoint, fsdp2=plan.sharding == "fsdp2")
-    runtime = {
-        "device": plan.device,
-        "attention": attention.backend,
-        "threads": None if cuda else settings.trainer_cpu_threads,
-        "resume_from": checkpoint.path if checkpoint else None,
-        "checkpoint_keep": settings.checkpoint_keep,
-        "run_max_steps": settings.run_max_steps,
-        "run_max_wall_s": settings.run_max_wall_s,
-        "min_free_gb": settings.trainer_min_free_gb,
-    }
-    if main_rank:
-        log_event(
-            log, "effective_config", task=settings.trainer_task, base_model=settings.base_model, **runtime,
-            **configs.summary(),
-        )
-    if dry_run:
-        return 0
-    if stopped_before_training(lifecycle, checkpoint.path if checkpoint else None):
-        return 0
-    swept: list[str] = []
-    try:
-        if main_rank:
-            swept = asyncio.run(prepare_fleet(settings, configs.lora, run_key=run_key,
-                                              stopping=lifecycle.stop_requested))
-    except StopRequested:
-        stopped_before_training(lifecycle, checkpoint.path if checkpoint else None)
-        return 0
-    except (PreflightError, VLLMError) as exc:
-        log_event(log, "refused", logging.ERROR, reason=str(exc))
-        return EXIT_PREFLIGHT
-    install_kernels(settings, attention.backend, cuda=cuda)
+    install_kernels(settings, backend, cuda=cuda)
+    proxy = ProxyClient.from_settings(settings, run_key)
     # A proxy restart mid-sync must not kill the run; TRL's calls send the key.
-    retry_control_calls(run_key=run_key, fleet_wait_s=settings.trainer_fleet_wait_s)
+    retry_control_calls(proxy=proxy, fleet_wait_s=settings.trainer_fleet_wait_s)
     readable_before_load()  # the proxy, another user in Compose, copies what it loads
-    if checkpoint and main_rank:
-        log_event(
-            log, "resuming", checkpoint=checkpoint.path, step=checkpoint.step, model_version=checkpoint.model_version
-        )
-
+    if checked.checkpoint and checked.main_rank:
+        log_event(log, "resuming", checkpoint=checked.checkpoint.path, step=checked.checkpoint.step,
+                  model_version=checked.checkpoint.model_version)
     metrics = MetricsJsonl(settings.metrics_path)
-    evaluation = eval_callbacks(task, settings, run_key, main_rank, metrics.append)  # first: joins the step's log
-    prompts = PromptTracker(settings.run_dir, checkpoint, fleet_names=swept)  # before TRL's own callbacks
+    evaluation = eval_callbacks(checked.task, settings, run_key, checked.main_rank, metrics.append)  # joins the step
+    prompts = PromptTracker(settings.run_dir, checked.checkpoint, fleet_names=swept)  # before TRL's own callbacks
     # Before metrics and the exporter: it adds to the logged dict; an outlier replica is reported to the proxy.
-    ratios = ReplicaRatios(settings.run_dir, RatioReporter(settings.trainer_vllm_url, run_key))
+    ratios = ReplicaRatios(settings.run_dir, RatioReporter(proxy))
+    lifecycle = RunLifecycle(checked.stops)
     callbacks = [*evaluation, ratios, metrics, lifecycle, prompts, *exporter_callbacks(settings)]
-    trainer = build_trainer(settings, configs, callbacks, task=task)
-    for callback in evaluation:
+    trainer = build_trainer(settings, configs, callbacks, task=checked.task)
+    return Built(trainer, lifecycle, evaluation, ratios, prompts)
+
+
+def wire(built: Built, run_key: str, settings: TrainerSettings) -> None:
+    """The built trainer's TRL objects patched (the seam's second part), before `train()` spawns the rollout child."""
+    from lorafleet_trainer.fleet_rollouts import wire_rollouts
+    from lorafleet_trainer.lifecycle import shield_rollout_worker
+    from lorafleet_trainer.provenance import record_rollouts
+
+    trainer = built.trainer
+    for callback in built.evaluation:
         callback.bind(trainer)
     record_rollouts(trainer, settings.run_dir)  # TRL's queue, before prompts.bind wraps it
-    ratios.bind(trainer)
-    prompts.bind(trainer)
-    shield_rollout_worker(trainer, lifecycle)
-    wire_rollouts(trainer, run_key, settings)  # before train(): TRL spawns the child then
-    return run_until_stopped(trainer, lifecycle, checkpoint.path if checkpoint else None)
+    built.ratios.bind(trainer)
+    built.prompts.bind(trainer)
+    shield_rollout_worker(trainer, built.lifecycle.stops)
+    wire_rollouts(trainer, run_key, settings)
 
 
 def install_kernels(settings: TrainerSettings, backend: str, *, cuda: bool) -> None:
@@ -236,22 +271,11 @@ def build_trainer(settings: TrainerSettings, configs: TrainerConfigs, callbacks:
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     from lorafleet_trainer.config import score_queue_groups
-    from lorafleet_trainer.fast_step.kernels import apply_liger
-    from lorafleet_trainer.fast_step.loss import install_indexed_head
     from lorafleet_trainer.fast_step.options import step_options
-    from lorafleet_trainer.fused_lora import fuse_lora_layers
-    from lorafleet_trainer.lora_precision import autocast_adapter_inputs
 
     if step is None:
         step = step_options(settings.trainer_fast_step, device=configs.ranks.device, sharding=configs.ranks.sharding)
-    if step.liger:  # before the model is built: Liger swaps the architecture's module classes
-        from transformers import AutoConfig
-
-        model_type = AutoConfig.from_pretrained(settings.base_model, trust_remote_code=False).model_type
-        skipped = apply_liger(model_type)
-        if skipped:
-            log_event(log, "liger_kernels_skipped", logging.WARNING, reason=skipped)
-            step = replace(step, liger=False)
+    step = with_liger(settings, step)
     trainer_class = AsyncGRPOTrainer
     if step.custom_trainer:
         from lorafleet_trainer.fast_trainer import FastStepTrainer
@@ -271,6 +295,35 @@ def build_trainer(settings: TrainerSettings, configs: TrainerConfigs, callbacks:
     )
     trainer.remove_callback(PrinterCallback)  # MetricsJsonl logs each step as one structured line instead
     bound_score_queue(trainer, score_queue_groups(configs.grpo.queue_maxsize, configs.grpo.num_generations))
+    trl_seam.set_step_options(trainer, tune_step(trainer, configs, step))
+    if trainer.accelerator.is_main_process:
+        log_event(log, "trainer_step", **trainer.lorafleet_step.summary())
+    return trainer
+
+
+def with_liger(settings: TrainerSettings, step: StepOptions) -> StepOptions:
+    """Liger's kernels applied where the step asks for them, before the model is built (Liger swaps the architecture's
+    module classes); the step without them where the architecture has none."""
+    if not step.liger:
+        return step
+    from transformers import AutoConfig
+
+    from lorafleet_trainer.fast_step.kernels import apply_liger
+
+    skipped = apply_liger(AutoConfig.from_pretrained(settings.base_model, trust_remote_code=False).model_type)
+    if not skipped:
+        return step
+    log_event(log, "liger_kernels_skipped", logging.WARNING, reason=skipped)
+    return replace(step, liger=False)
+
+
+def tune_step(trainer: Any, configs: TrainerConfigs, step: StepOptions) -> StepOptions:
+    """The built model tuned as the step asks (bf16 adapter inputs, fused LoRA layers, the indexed head); returns the
+    step as it turned out."""
+    from lorafleet_trainer.fast_step.loss import install_indexed_head
+    from lorafleet_trainer.fused_lora import fuse_lora_layers
+    from lorafleet_trainer.lora_precision import autocast_adapter_inputs
+
     if configs.grpo.bf16:  # autocast runs the adapter's products in bf16: no float32 copies of their inputs
         log_event(log, "lora_input_casts_off", layers=autocast_adapter_inputs(trainer.model))
     if step.fused_lora:
@@ -278,30 +331,41 @@ def build_trainer(settings: TrainerSettings, configs: TrainerConfigs, callbacks:
     if step.custom_trainer:
         indexed = step.sync_free_loss and install_indexed_head(trainer.model.get_base_model(), trainer.temperature)
         step = trainer.configure_step(step, indexed_head=indexed)
-    trainer.lorafleet_step = step
-    if trainer.accelerator.is_main_process:
-        log_event(log, "trainer_step", **step.summary())
-    return trainer
+    return step
 
 
 def run_until_stopped(trainer: Any, lifecycle: RunLifecycle, resume_from: Path | None) -> int:
-    """Train to MAX_STEPS or to an early stop; checkpoint, export what the outcome calls for, log the last line."""
-    from lorafleet_trainer.lifecycle import CEILINGS, StoppedWhileWaiting, checkpoint_now, stop_agreement
-    from lorafleet_trainer.run_state import export_final_adapter
+    """Train to MAX_STEPS or to an early stop, then finish: checkpoint, export, the last line."""
+    from lorafleet_trainer.lifecycle import stop_agreement
 
-    lifecycle.agree = stop_agreement(trainer.accelerator)
-    if stopped_before_training(lifecycle, resume_from):  # signalled while the fleet was checked or the model loaded
+    stops = lifecycle.stops
+    stops.agree = stop_agreement(trainer.accelerator)
+    if stopped_before_training(stops, resume_from):  # signalled while the fleet was checked or the model loaded
         return 0
+    run(trainer, stops, resume_from)
+    return finish(trainer, stops)
+
+
+def run(trainer: Any, stops: StopDecision, resume_from: Path | None) -> None:
+    """TRL's training loop, resumed from `resume_from`; a stop while it waited for rollouts leaves a checkpoint."""
+    from lorafleet_trainer.lifecycle import checkpoint_now
+
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except StoppedWhileWaiting:
-        checkpoint_now(trainer, lifecycle)
-    state, reason = trainer.state, lifecycle.reason
+        checkpoint_now(trainer, stops)
+
+
+def finish(trainer: Any, stops: StopDecision) -> int:
+    """The final adapter exported where the outcome calls for it (on every rank), the last line logged."""
+    from lorafleet_trainer.run_state import export_final_adapter
+
+    state, reason = trainer.state, stops.reason
     finished = reason is None or state.global_step >= state.max_steps
     # Every rank takes part (gathering a sharded adapter is a collective), so every rank must agree to: a ceiling
     # one rank reached (its clock, its disk) while another stops for OTHER_RANK exports on all of them.
     final = None
-    if lifecycle.agree(finished or reason in CEILINGS):
+    if stops.agree(finished or reason in CEILINGS):
         final = export_final_adapter(trainer, Path(trainer.args.output_dir))
     if not trainer.accelerator.is_main_process:
         log_event(log, "rank_finished", rank=trainer.accelerator.process_index, step=state.global_step, reason=reason)
@@ -317,37 +381,11 @@ def run_until_stopped(trainer: Any, lifecycle: RunLifecycle, resume_from: Path |
     return 0
 
 
-def already_complete(settings: TrainerSettings, checkpoint: Checkpoint | None, main_rank: bool) -> bool:
-    """True (and the last line logged) when the newest checkpoint already reached MAX_STEPS, the run's total across
-    starts: a trainer killed after its last checkpoint but before it exited, then started again.
-
-    Nothing is trained, published or unloaded (the fleet is not asked anything, so the run's adapters stay served);
-    `final-adapter/` gets the checkpoint's weights where the kill came before it was exported.
-    """
-    from lorafleet_trainer.run_state import final_adapter_from
-
-    if checkpoint is None or checkpoint.step < settings.max_steps:
-        return False
-    if main_rank:
-        log_event(log, "finished", steps=checkpoint.step, model_version=checkpoint.model_version,
-                  adapter=final_adapter_from(checkpoint, settings.run_dir), already_complete=True,
-                  reason=f"{checkpoint.path.name} reached MAX_STEPS={settings.max_steps}: nothing left to train")
-    return True
-
-
-def stopped_before_training(lifecycle: RunLifecycle, resume_from: Path | None) -> bool:
-    """True (and the last line logged) when a stop came before the first step: nothing to train or save."""
-    if not lifecycle.stop_requested():
-        return False
-    log_event(log, "stopped", reason=lifecycle.reason, step=None, checkpoint=resume_from)
-    return True
-
-
 def bound_score_queue(trainer: Any, groups: int) -> None:
     """Set the rollout worker's score-queue size (TRL 1.16 has no config field; the child gets `_loop_kwargs`)."""
-    loop_kwargs = getattr(getattr(trainer, "rollout_worker", None), "_loop_kwargs", None)
-    if isinstance(loop_kwargs, dict):
-        loop_kwargs["score_queue_maxsize"] = groups
+    worker = getattr(trainer, "rollout_worker", None)
+    if trl_seam.loop_kwargs(worker) is not None:
+        trl_seam.set_loop_kwargs(worker, **{trl_seam.SCORE_QUEUE_KWARG: groups})
         log_event(log, "score_queue_bounded", groups=groups)
     elif trainer.accelerator.is_main_process:
         log_event(log, "score_queue_unbounded", logging.WARNING, reason="rollout worker has no _loop_kwargs")
@@ -379,13 +417,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_key = read_run_key(settings)  # once, before anything (the launcher too) starts or asks the fleet
         select_gpus(settings, os.environ)
+        unspent = refuse_spent_start(settings, main_rank=context.rank == 0, dry_run=args.dry_run)  # before torch
         plan = plan_for(settings, context, cuda_devices())
         pin_cpu_device(plan, os.environ)
         if plan.launched and not context.launched and not args.dry_run:
             return Launcher(plan, sys.argv[1:] if argv is None else argv).run()
-        code = train(settings, plan, context, dry_run=args.dry_run, run_key=run_key)
+        code = train(settings, plan, context, dry_run=args.dry_run, run_key=run_key, unspent=unspent)
         leave_process_group()  # a normal return only: a crash ends at once (entry), its group as it is
         return code
+    except StartEnded as ended:
+        return ended.code
     except ConfigError as exc:
         log_event(log, "config_error", logging.ERROR, reason=str(exc))
         return EXIT_CONFIG

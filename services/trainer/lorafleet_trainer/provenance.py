@@ -30,6 +30,7 @@ from lorafleet.vllm_api import (
     PROXY_UPSTREAM_HEADER,
 )
 
+from lorafleet_trainer import trl_seam
 from lorafleet_trainer.queue_view import QueueView
 
 ROLLOUTS_FILE = "rollouts.jsonl"  # in the run folder: one line per sample the trainer read
@@ -120,4 +121,4 @@ def record_rollouts(trainer: Any, run_dir: Path) -> None:
     if getattr(trainer, "rollout_worker", None) is None:  # TRL builds the queue on rank 0 only
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer.rollout_queue = RolloutRecord(trainer.rollout_queue, run_dir / ROLLOUTS_FILE)
+    trl_seam.wrap_rollout_queue(trainer, lambda queue: RolloutRecord(queue, run_dir / ROLLOUTS_FILE))

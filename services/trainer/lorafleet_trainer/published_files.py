@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
+
+from lorafleet_trainer import trl_seam
 
 READABLE = 0o444
 
@@ -33,11 +36,12 @@ def fleet_readable(folder: str | os.PathLike[str]) -> None:
 
 def readable_before_load() -> None:
     """Make TRL's VLLMClient.load_lora_adapter call `fleet_readable` on the adapter's folder first (once)."""
-    from trl.experimental.async_grpo import vllm_client
+    if not getattr(trl_seam.adapter_load(), "makes_readable", False):
+        trl_seam.wrap_adapter_load(readable_first)
 
-    load = vllm_client.VLLMClient.load_lora_adapter
-    if getattr(load, "makes_readable", False):
-        return
+
+def readable_first(load: Callable[..., None]) -> Callable[..., None]:
+    """`load` (TRL's VLLMClient.load_lora_adapter) calling `fleet_readable` on the adapter's folder first."""
 
     @functools.wraps(load)
     def load_readable(self: Any, lora_name: str, lora_path: str, *args: Any, **kwargs: Any) -> None:
@@ -45,4 +49,4 @@ def readable_before_load() -> None:
         return load(self, lora_name, lora_path, *args, **kwargs)
 
     load_readable.makes_readable = True  # type: ignore[attr-defined]
-    vllm_client.VLLMClient.load_lora_adapter = load_readable
+    return load_readable

@@ -28,6 +28,7 @@ from lorafleet.ratio_outliers import METRICS_KEY, RatioWatch, ReplicaRatio
 from lorafleet.runs import run_of
 from transformers import TrainerCallback
 
+from lorafleet_trainer import trl_seam
 from lorafleet_trainer.fast_step.loss import FAST_KEY
 from lorafleet_trainer.provenance import ROLLOUTS_FILE, logprob_key
 from lorafleet_trainer.ratio_report import RatioReporter
@@ -141,7 +142,7 @@ class ReplicaRatios(TrainerCallback):
         """Watch `trainer.compute_loss` (rank 0, which reads TRL's rollout queue, only)."""
         if getattr(trainer, "rollout_worker", None) is None:
             return
-        trainer.compute_loss = self.watched(trainer.compute_loss)
+        trl_seam.wrap_compute_loss(trainer, self.watched)
         self.bound = True
 
     def watched(self, compute_loss: Callable[..., Any]) -> Callable[..., Any]:

@@ -23,7 +23,7 @@ from lorafleet.adapters import policy_name
 from lorafleet.logs import log_event
 from lorafleet.ratio_outliers import Outlier
 
-from lorafleet_trainer.run_key_file import bearer
+from lorafleet_trainer.proxy_client import ProxyClient
 
 log = logging.getLogger(__name__)
 ROUTE = "/ratio_report"
@@ -33,9 +33,8 @@ TIMEOUT_S = 30.0
 class RatioReporter:
     """Posts each new outlier to the proxy, once per (replica, version), off the training thread."""
 
-    def __init__(self, vllm_url: str, run_key: str) -> None:
-        self.url = vllm_url.rstrip("/") + ROUTE
-        self.headers = bearer(run_key)
+    def __init__(self, proxy: ProxyClient) -> None:
+        self.proxy = proxy
         self.reported: set[tuple[str, int]] = set()
         self.threads: list[threading.Thread] = []
 
@@ -54,7 +53,7 @@ class RatioReporter:
     def post(self, outlier: Outlier, newest: int) -> None:
         body = {"replica": outlier.replica, "lora_name": policy_name(newest), "evidence": outlier.evidence()}
         try:
-            response = httpx.post(self.url, json=body, headers=self.headers, timeout=TIMEOUT_S)
+            response = self.proxy.post(ROUTE, body, timeout=TIMEOUT_S)
         except httpx.HTTPError as exc:
             log_event(log, "ratio_report_failed", logging.WARNING, replica=outlier.replica, reason=str(exc))
             return

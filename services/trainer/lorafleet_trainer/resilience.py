@@ -27,7 +27,8 @@ from lorafleet.logs import log_event
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from lorafleet_trainer.run_key_file import bearer
+from lorafleet_trainer import trl_seam
+from lorafleet_trainer.proxy_client import RETRY_STATUSES, ProxyClient
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +37,6 @@ log = logging.getLogger(__name__)
 CONNECT_RETRIES = 10
 BACKOFF_S = 0.5
 RETRY_MAX_S = 5.0
-# The proxy's 503 means nothing was done (no ready replica yet, its ledger being rebuilt): a restarted proxy
-# answers it for a moment before its replicas are ready again, so it is waited out like a refused connection. Its 502
-# is a broadcast a replica failed (the only ready one killed mid-load: the chaos run's trainers died of it), rolled
-# back all-or-nothing, so nothing was done either; the next replica to be ready takes the replay.
-RETRY_STATUSES = (502, 503)
 
 
 def retries_for(wait_s: float) -> int:
@@ -76,16 +72,14 @@ def retrying_session(connect_retries: int = CONNECT_RETRIES, backoff_s: float = 
     return session
 
 
-def retry_control_calls(session: requests.Session | None = None, *, run_key: str = "",
+def retry_control_calls(session: requests.Session | None = None, *, proxy: ProxyClient | None = None,
                         fleet_wait_s: float | None = None) -> None:
     """Point TRL's VLLMClient module at `requests` whose get/post wait for the fleet (refused connections, 503) up
-    to `fleet_wait_s` (TRAINER_FLEET_WAIT_S) and send `run_key`."""
-    from trl.experimental.async_grpo import vllm_client
-
+    to `fleet_wait_s` (TRAINER_FLEET_WAIT_S) and send `proxy`'s headers (its run key; none without a proxy given)."""
     retries = CONNECT_RETRIES if fleet_wait_s is None else retries_for(fleet_wait_s)
     active = session or retrying_session(retries)
-    active.headers.update(bearer(run_key))
+    active.headers.update(proxy.headers if proxy else {})
     public = {name: getattr(requests, name) for name in dir(requests) if not name.startswith("__")}
     shim: Any = types.SimpleNamespace(**public)
     shim.get, shim.post = active.get, active.post
-    vllm_client.requests = shim
+    trl_seam.set_control_requests(shim)

@@ -21,8 +21,8 @@ Adapter names. TRL numbers from the checkpoint's version, so a run killed after 
 publish a name again with other weights. Here the next version is past every name on disk (the run's .vllm_lora) and
 every name the start-up sweep found loaded in the fleet.
 
-Completeness. A save writes run_state.WRITING_MARKER first and removes it last, after rollout_state.json is
-rewritten, so a checkpoint cut short by a kill is never resumed from (run_state.checkpoint_complete).
+Completeness. A save writes checkpoints.WRITING_MARKER first and removes it last, after rollout_state.json is
+rewritten, so a checkpoint cut short by a kill is never resumed from (checkpoints.checkpoint_complete).
 """
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ from lorafleet.adapters import LORA_DIR_NAME, policy_version
 from lorafleet.logs import log_event
 from transformers import TrainerCallback
 
+from lorafleet_trainer import trl_seam
+from lorafleet_trainer.checkpoints import ROLLOUT_STATE, WRITING_MARKER, Checkpoint
 from lorafleet_trainer.fleet_rollouts import RESUME_SKIP_KWARG, RESUME_START_KWARG
 from lorafleet_trainer.prompt_log import PROMPTS_FILE
 from lorafleet_trainer.queue_view import QueueView
-from lorafleet_trainer.run_state import ROLLOUT_STATE, WRITING_MARKER, Checkpoint, MetricsJsonl
+from lorafleet_trainer.run_state import MetricsJsonl
 
 log = logging.getLogger(__name__)
 
@@ -172,16 +174,16 @@ class PromptTracker(TrainerCallback):
     def bind(self, trainer: Any) -> None:
         """Wire into the built trainer, before `train()`: TRL reads the queue and the set at dataloader build."""
         self.trainer = trainer
-        trainer._save_checkpoint = self._marked_save(trainer._save_checkpoint)
+        trl_seam.wrap_save_checkpoint(trainer, self._marked_save)
         worker = getattr(trainer, "rollout_worker", None)
         if worker is None:
             return
         self.rows = len(trainer.train_dataset) if hasattr(trainer.train_dataset, "__len__") else 0
-        trainer._trained_groups = self.collated
-        trainer.rollout_queue = _ObservedQueue(trainer.rollout_queue, lambda: trainer.model_version,
-                                               trainer.args.max_staleness, self.dropped)
-        worker._loop_kwargs[RESUME_START_KWARG] = self.consumed.start
-        worker._loop_kwargs[RESUME_SKIP_KWARG] = sorted(self.consumed.above)
+        trl_seam.set_trained_groups(trainer, self.collated)
+        trl_seam.wrap_rollout_queue(trainer, lambda queue: _ObservedQueue(
+            queue, lambda: trainer.model_version, trainer.args.max_staleness, self.dropped))
+        trl_seam.set_loop_kwargs(worker, **{RESUME_START_KWARG: self.consumed.start,
+                                            RESUME_SKIP_KWARG: sorted(self.consumed.above)})
         args = trainer.args
         samples = (args.per_device_train_batch_size * args.gradient_accumulation_steps
                    * trainer.accelerator.num_processes)
@@ -195,14 +197,13 @@ class PromptTracker(TrainerCallback):
         if worker is None:
             return
         trainer = self.trainer
-        trainer._groups_before_resume = self.consumed.count  # TRL's epoch count (it set the buggy prompt_index)
         restored = trainer.model_version
         floor = next_version_floor(restored, Path(args.output_dir) / LORA_DIR_NAME, self.fleet_names)
         if floor != restored:
             log_event(log, "adapter_versions_continue", checkpoint_version=restored, published_max=floor,
                       next=floor + 1, reason="names past the checkpoint's were published before it stopped")
-        trainer.model_version = floor
-        worker.update_model_version(floor)
+        # TRL's epoch count from the consumed prompts (TRL set it from its own, too early, prompt_index)
+        trl_seam.set_resume_point(trainer, groups_before=self.consumed.count, model_version=floor)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if self.trainer is None or getattr(self.trainer, "rollout_worker", None) is None:

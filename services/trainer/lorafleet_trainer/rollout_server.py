@@ -3,9 +3,9 @@
 TRL 1.16 starts its rollout child with `spawn`: at train begin a fresh interpreter imports torch, transformers and
 TRL (`trl.experimental.async_grpo`: about 10 s of CPU, `python -X importtime`), and training waits for it on every
 start. The standard library's fork server is a fresh interpreter too (exec'd, never a fork of the trainer, so no
-thread, lock or CUDA state of the trainer reaches the child), but `start` launches it at the top of `train()`: it
-imports the child's modules while the trainer imports its own, and at train begin the child is forked from it,
-ready at once. What spawn gave, it keeps:
+thread, lock or CUDA state of the trainer reaches the child), but `start` launches it as soon as `train()`'s cheap
+checks passed (main.py's start phase; a refused start pays none of this): it imports the child's modules while
+the trainer imports its own, and at train begin the child is forked from it, ready at once. What spawn gave, it keeps:
 - the child's environment is the trainer's when the server starts: `start` comes once it is final (the task file,
   the devices);
 - the stop signals are blocked in the server and so in the child (lifecycle.py: the trainer alone decides when the

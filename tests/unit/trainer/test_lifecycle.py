@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 from lorafleet.logs import LogfmtFormatter
 from lorafleet_trainer import early_stop
-from lorafleet_trainer import lifecycle as lc
-from lorafleet_trainer.lifecycle import GB, Limits, RunLifecycle, StoppedWhileWaiting
+from lorafleet_trainer import stops as lc
+from lorafleet_trainer.lifecycle import RunLifecycle
+from lorafleet_trainer.stops import GB, Limits, StopDecision, StoppedWhileWaiting
 
 ARGS = SimpleNamespace(save_steps=50)
 
@@ -29,7 +30,7 @@ class Clock:
 
 def _lifecycle(wall=0.0, steps=0, min_free=0, free=10 * GB, clock=None) -> RunLifecycle:
     limits = Limits(max_wall_s=wall, max_steps=steps, min_free_bytes=min_free, volume=Path("/adapters"))
-    return RunLifecycle(limits, clock=clock or Clock(), disk=lambda _: free)
+    return RunLifecycle(StopDecision(limits, clock=clock or Clock(), disk=lambda _: free))
 
 
 def _step_end(life: RunLifecycle, step: int) -> SimpleNamespace:
@@ -43,7 +44,7 @@ def test_no_limits_never_stop():
     life.on_train_begin(ARGS, SimpleNamespace(global_step=0), None)
     controls = [vars(_step_end(life, step)) for step in (1, 2)]
     assert controls == [{"should_save": False, "should_training_stop": False}] * 2
-    assert life.reason is None
+    assert life.stops.reason is None
 
 
 def test_run_max_steps_counts_steps_of_this_start_only():
@@ -54,7 +55,7 @@ def test_run_max_steps_counts_steps_of_this_start_only():
     assert not _step_end(life, 8).should_training_stop
     control = _step_end(life, 9)
     assert control.should_save and control.should_training_stop
-    assert life.reason == lc.MAX_STEPS
+    assert life.stops.reason == lc.MAX_STEPS
 
 
 def test_run_max_wall_s_counts_from_construction():
@@ -65,17 +66,17 @@ def test_run_max_wall_s_counts_from_construction():
     assert not _step_end(life, 1).should_training_stop
     clock.now += 0.1
     assert _step_end(life, 2).should_save
-    assert life.reason == lc.MAX_WALL
+    assert life.stops.reason == lc.MAX_WALL
 
 
 def test_low_disk_refuses_with_figures_and_stops_with_a_checkpoint():
     life = _lifecycle(min_free=2 * GB, free=GB)
-    assert "has 1.00 GB free, under TRAINER_MIN_FREE_GB=2" in life.low_disk()
+    assert "has 1.00 GB free, under TRAINER_MIN_FREE_GB=2" in life.stops.low_disk()
     life.on_train_begin(ARGS, SimpleNamespace(global_step=0), None)
     assert _step_end(life, 1).should_save
-    assert life.reason == lc.LOW_DISK
-    assert _lifecycle(min_free=GB, free=GB).low_disk() is None
-    assert _lifecycle(min_free=0, free=0).low_disk() is None  # 0 = guard off
+    assert life.stops.reason == lc.LOW_DISK
+    assert _lifecycle(min_free=GB, free=GB).stops.low_disk() is None
+    assert _lifecycle(min_free=0, free=0).stops.low_disk() is None  # 0 = guard off
 
 
 def test_free_bytes_measures_the_nearest_existing_parent(tmp_path, monkeypatch):
@@ -96,21 +97,21 @@ def test_free_bytes_measures_the_nearest_existing_parent(tmp_path, monkeypatch):
 def test_first_signal_requests_a_checkpointed_stop_second_exits_at_once(monkeypatch):
     life = _lifecycle()
     killed, exits = [], []
-    life.on_force = lambda: killed.append(True)
+    life.stops.on_force = lambda: killed.append(True)
     monkeypatch.setattr(lc.os, "_exit", exits.append)
-    life._on_signal(signal.SIGTERM, None)
-    assert life.reason == lc.SIGNAL and not killed and not exits
+    life.stops._on_signal(signal.SIGTERM, None)
+    assert life.stops.reason == lc.SIGNAL and not killed and not exits
     assert _step_end(life, 3).should_save
-    life._on_signal(signal.SIGINT, None)
+    life.stops._on_signal(signal.SIGINT, None)
     assert killed == [True] and exits == [128 + signal.SIGINT]
 
 
 def test_a_due_stop_abandons_the_rollout_wait_but_health_errors_come_first():
     life = _lifecycle()
     calls = []
-    check = life.check_health(calls.append)
+    check = life.stops.check_health(calls.append)
     check(300.0)  # nothing due: the wait goes on
-    life._on_signal(signal.SIGTERM, None)
+    life.stops._on_signal(signal.SIGTERM, None)
     with pytest.raises(StoppedWhileWaiting):
         check(300.0)
     assert calls == [300.0, 300.0]
@@ -119,14 +120,14 @@ def test_a_due_stop_abandons_the_rollout_wait_but_health_errors_come_first():
         raise RuntimeError("Rollout worker child has failed")
 
     with pytest.raises(RuntimeError, match="child has failed"):
-        life.check_health(broken)(300.0)
+        life.stops.check_health(broken)(300.0)
 
 
 def test_agreement_across_ranks_stops_every_rank():
     life = _lifecycle()
-    life.agree = lambda flag: True  # another rank was signalled
+    life.stops.agree = lambda flag: True  # another rank was signalled
     assert _step_end(life, 4).should_training_stop
-    assert life.reason == lc.OTHER_RANK
+    assert life.stops.reason == lc.OTHER_RANK
 
 
 def test_the_trainer_refuses_to_start_on_a_full_volume(tmp_path, monkeypatch):
@@ -168,8 +169,8 @@ class FakeTrainer:
         self.life.on_train_begin(ARGS, self.state, None)
         while self.state.global_step < self.state.max_steps:
             if self.state.global_step == self.stop_at and self.raise_in_wait:
-                self.life._on_signal(signal.SIGTERM, None)
-                raise StoppedWhileWaiting(self.life.reason)
+                self.life.stops._on_signal(signal.SIGTERM, None)
+                raise StoppedWhileWaiting(self.life.stops.reason)
             self.state.global_step += 1
             self.model_version += 1
             control = _step_end(self.life, self.state.global_step)
@@ -223,7 +224,7 @@ def test_a_signal_before_training_trains_nothing(tmp_path, events):
     from lorafleet_trainer.main import run_until_stopped
 
     life = _lifecycle()
-    life._on_signal(signal.SIGTERM, None)  # during the fleet checks or the model load
+    life.stops._on_signal(signal.SIGTERM, None)  # during the fleet checks or the model load
     trainer = FakeTrainer(tmp_path, life, stop_at=-1)
     assert run_until_stopped(trainer, life, None) == 0
     assert trainer.state.global_step == 0 and not list(tmp_path.iterdir())
@@ -245,9 +246,9 @@ def test_a_stop_held_since_the_process_started_is_the_lifecycles_first_signal(re
     early_stop.hold()
     os.kill(os.getpid(), signal.SIGTERM)
     life = _lifecycle()
-    assert life.reason is None
-    life.install_signal_handlers()
-    assert life.reason == lc.SIGNAL and "event=stop_requested signal=SIGTERM" in events[-1]
+    assert life.stops.reason is None
+    life.stops.install_signal_handlers()
+    assert life.stops.reason == lc.SIGNAL and "event=stop_requested signal=SIGTERM" in events[-1]
     assert early_stop.take() is None, "a held signal is taken once"
 
 
@@ -296,7 +297,7 @@ def test_each_step_end_prunes_published_versions_to_trls_window(tmp_path):
     lora = tmp_path / ".vllm_lora"
     for version in (2, 5, 6, 7):
         (lora / f"trl-policy-v{version}").mkdir(parents=True)
-    life = RunLifecycle(limits, clock=Clock(), disk=lambda _: 10 * GB)
+    life = RunLifecycle(StopDecision(limits, clock=Clock(), disk=lambda _: 10 * GB))
     control = SimpleNamespace(should_save=False, should_training_stop=False)
     life.on_step_end(SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=1,
                                                                                 is_world_process_zero=True), control)

@@ -26,6 +26,7 @@ from lorafleet_testing.stub_http import JsonStub
 from lorafleet_trainer.fast_step.loss import compact_batch
 from lorafleet_trainer.fleet_rollouts import ProvenancedSample
 from lorafleet_trainer.provenance import ROLLOUTS_FILE, Answer, RolloutRecord
+from lorafleet_trainer.proxy_client import ProxyClient
 from lorafleet_trainer.ratio_by_replica import (
     OUTLIERS_KEY,
     UNATTRIBUTED_KEY,
@@ -194,7 +195,7 @@ def test_an_outlier_is_logged_and_reported_to_the_proxy_once_per_replica_and_ver
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     _Proxy.reports = []
-    reporter = RatioReporter(f"http://127.0.0.1:{server.server_port}/runs/r", "lfr_key")
+    reporter = RatioReporter(ProxyClient(f"http://127.0.0.1:{server.server_port}/runs/r", "lfr_key"))
     samples = [_sample(index, (list(LEVELS)[index % 3],)) for index in range(18)]
     batch = _batch(tmp_path, samples)
     ratios = ReplicaRatios(tmp_path, reporter)
@@ -218,7 +219,7 @@ def test_an_outlier_is_logged_and_reported_to_the_proxy_once_per_replica_and_ver
 
 
 def test_a_proxy_that_cannot_be_reached_is_logged_and_training_goes_on(caplog):
-    reporter = RatioReporter(f"http://127.0.0.1:{free_port()}", "")
+    reporter = RatioReporter(ProxyClient(f"http://127.0.0.1:{free_port()}"))
     reporter.report([Outlier("http://c", 3, 0.5, 0.02, 64, 128)], newest=7)
     for thread in reporter.threads:
         thread.join(timeout=30)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from lorafleet_trainer.checkpoints import WRITING_MARKER, checkpoint_complete, newest_checkpoint
 from lorafleet_trainer.fleet_rollouts import RESUME_SKIP_KWARG, RESUME_START_KWARG, FleetRolloutLoop, stream_positions
 from lorafleet_trainer.resume import (
     PROMPTS_FILE,
@@ -23,7 +24,6 @@ from lorafleet_trainer.resume import (
     next_version_floor,
     rollback_bound,
 )
-from lorafleet_trainer.run_state import WRITING_MARKER, checkpoint_complete, newest_checkpoint
 
 
 @given(st.lists(st.integers(min_value=0, max_value=60)))

@@ -24,6 +24,7 @@ from lorafleet.settings import ConfigError, StackSettings, load_settings
 from lorafleet_trainer import fleet
 from lorafleet_trainer.fleet import fleet_size, prepare_fleet
 from lorafleet_trainer.main import main
+from lorafleet_trainer.proxy_client import ProxyClient
 from lorafleet_trainer.resilience import retry_control_calls, retrying_session
 from lorafleet_trainer.run_key_file import read_run_key
 from peft import LoraConfig
@@ -202,7 +203,7 @@ def test_trls_control_calls_send_the_run_key(server: RecordingServer, monkeypatc
     from trl.experimental.async_grpo import vllm_client
 
     monkeypatch.setattr(vllm_client, "requests", vllm_client.requests)  # restored after the test
-    retry_control_calls(retrying_session(connect_retries=0), run_key=key)
+    retry_control_calls(retrying_session(connect_retries=0), proxy=ProxyClient(server.url + RUN, key))
     server.answers[f"{RUN}/server_info"] = {"vllm_config": {"model_config": {"dtype": "torch.float32"}}}
     client = vllm_client.VLLMClient(server.url + RUN, server_timeout=5)
     client.wait_for_server_ready()

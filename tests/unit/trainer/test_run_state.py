@@ -8,15 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 from lorafleet.settings import ConfigError
-from lorafleet_trainer.run_state import (
-    MetricsJsonl,
+from lorafleet_trainer.checkpoints import (
     check_resumable,
-    export_final_adapter,
     final_adapter_from,
     newest_checkpoint,
     prune_checkpoints,
     prune_versions,
 )
+from lorafleet_trainer.run_state import MetricsJsonl, export_final_adapter
 
 
 def _checkpoint(run, step, version=None, complete=True):

@@ -22,9 +22,9 @@ from lorafleet.ledger_format import LedgerFileError, ledger_path, read
 from lorafleet.logs import log_event
 from lorafleet.run_key_store import provision, write_private
 from lorafleet_ops.processes import Service, proxy_service, trainer_service, wait_healthy
+from lorafleet_trainer.checkpoints import WRITING_MARKER
 from lorafleet_trainer.prompt_log import read_prompt_log
 from lorafleet_trainer.recipes import TINY_PROMPTS
-from lorafleet_trainer.run_state import WRITING_MARKER
 
 from lorafleet_testing.chaos import disk
 from lorafleet_testing.chaos.disk import RunDisk
