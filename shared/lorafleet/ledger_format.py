@@ -141,28 +141,32 @@ class ContentHash:
         return self._digest.hexdigest()
 
 
+def folder_digest(directory: str | os.PathLike[str]) -> str:
+    """The hex sha256 of the adapter's files in `directory` (`adapter_files`, names and bytes, in name order): the
+    fingerprint's value, and the name of a content-store folder. Raises OSError when a file cannot be read."""
+    digest = ContentHash()
+    for name in adapter_files(os.listdir(directory)):
+        digest.start(name)
+        with open(Path(directory) / name, "rb") as handle:
+            while chunk := handle.read(CHUNK):
+                digest.update(chunk)
+        digest.end()
+    return digest.hexdigest()
+
+
 def fingerprint(adapter: str | os.PathLike[str]) -> str:
-    """sha256 over the adapter's adapter_config.json and *.safetensors (names and bytes, in name order).
+    """sha256 over the adapter's adapter_config.json and *.safetensors (`folder_digest`), prefixed "sha256:".
 
     Two loads of one name and path with different fingerprints are different weights (a trainer that
     crashed after publishing and republished). Returns "" when the directory or its config cannot be
     read.
     """
-    directory = Path(adapter)
     try:
-        names = adapter_files([p.name for p in directory.iterdir()])
-        if CONFIG_FILE not in names:
+        if not os.path.lexists(Path(adapter) / CONFIG_FILE):
             return ""
-        digest = ContentHash()
-        for name in names:
-            digest.start(name)
-            with open(directory / name, "rb") as handle:
-                while chunk := handle.read(CHUNK):
-                    digest.update(chunk)
-            digest.end()
+        return f"{FINGERPRINT_PREFIX}{folder_digest(adapter)}"
     except OSError:
         return ""
-    return f"{FINGERPRINT_PREFIX}{digest.hexdigest()}"
 
 
 def check_run_folder(path: str, run: str, adapter_root: Path) -> str:

@@ -16,11 +16,13 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import broadcast
+from .content_store import ContentStore
 from .elision import PauseElision
 from .errors import adapter_not_found, error
 from .fleet import Fleet
 from .metrics import Metrics
 from .openapi import mount
+from .ratio_verdict import act_on_report
 from .runs import Runs, foreign_name, not_its_own
 from .schemas import (
     LoadLoRAAdapterRequest,
@@ -42,8 +44,10 @@ CACHE_RESET_ROUTES = ("/reset_mm_cache", "/reset_encoder_cache")
 class AdminPlane:
     """The handlers of the fleet-wide changes, with what they need injected; `router()` mounts them."""
 
-    def __init__(self, fleet: Fleet, runs: Runs, metrics: Metrics, elision: PauseElision) -> None:
+    def __init__(self, fleet: Fleet, content: ContentStore, runs: Runs, metrics: Metrics,
+                 elision: PauseElision) -> None:
         self.fleet = fleet
+        self.content = content  # the copies the replicas load (the ledger's store)
         self.runs = runs
         self.metrics = metrics
         self.elision = elision
@@ -77,7 +81,8 @@ class AdminPlane:
         if isinstance(path, Response):
             return path
         qualified = self.runs.qualify(run, name)
-        load = broadcast.load_adapter(self.fleet, {**body.model_dump(), "lora_name": qualified, "lora_path": path},
+        load = broadcast.load_adapter(self.fleet, self.content,
+                                      {**body.model_dump(), "lora_name": qualified, "lora_path": path},
                                       run, self.runs.load_admission(run, qualified))
         return self.runs.renamed(await self.timed("load", load), qualified, name)
 
@@ -95,7 +100,7 @@ class AdminPlane:
 
     async def ratio_report(self, request: Request, body: RatioReportRequest) -> Response:
         """lorafleet's own: a run reports a replica whose rollouts of one of its adapters depart from its peers'.
-        Treated as a canary disagreement (Fleet.ratio_report); a run reports on its own adapters only."""
+        Treated as a canary disagreement (ratio_verdict.py); a run reports on its own adapters only."""
         run, name = self.runs.of(request.scope), body.lora_name
         if foreign_name(run, name):
             return not_its_own(run, name)
@@ -104,7 +109,7 @@ class AdminPlane:
             return adapter_not_found(name)
         if body.replica not in self.fleet.replicas:
             return error(404, f"no replica {body.replica!r} in the fleet", "NotFoundError", "replica")
-        outcome = await self.fleet.ratio_report(self.fleet.replicas[body.replica], qualified, body.evidence)
+        outcome = await act_on_report(self.fleet, self.fleet.replicas[body.replica], qualified, body.evidence)
         return JSONResponse({"replica": body.replica, "lora_name": name, "outcome": outcome})
 
     async def pause(self, request: Request, mode: PauseMode = "abort") -> Response:

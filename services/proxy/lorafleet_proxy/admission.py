@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lorafleet.settings import ProxySettings
 from lorafleet.vllm_api import VLLMError, VLLMUnreachable
@@ -20,10 +20,7 @@ from lorafleet.vllm_compat import admission as vllm_admission
 from .metrics import Metrics
 from .replica import Replica, State
 from .router import Router
-from .sync import catch_up
-
-if TYPE_CHECKING:
-    from .fleet import Fleet
+from .sync import SyncFleet, catch_up
 
 log = logging.getLogger("lorafleet.proxy.fleet")
 
@@ -64,6 +61,12 @@ async def warm_up(replica: Replica, deadline: float) -> None:
     log.info("warm-up done url=%s model=%s seconds=%.2f", replica.url, base, time.monotonic() - started)
 
 
+class AdmissionFleet(SyncFleet, Protocol):
+    """What admitting a replica needs of the fleet (fleet.Fleet is one): to take it out of routing; the catch-up's."""
+
+    def begin_sync(self, replica: Replica) -> None: ...
+
+
 def backoff_s(settings: ProxySettings, failures: int) -> float:
     """The wait before the next sync of a replica whose last `failures` syncs (or breaker trips) failed in a row."""
     return min(settings.proxy_health_interval_s * 2 ** failures, settings.proxy_sync_backoff_max_s)
@@ -73,7 +76,7 @@ class Admission:
     """The syncs of the fleet's replicas: when the next one is due, starting and cancelling them, and each sync's
     stages. A replica's KV block size, read at admission, sets the router's (unless PROXY_BLOCK_SIZE does)."""
 
-    def __init__(self, fleet: Fleet, settings: ProxySettings, router: Router, metrics: Metrics) -> None:
+    def __init__(self, fleet: AdmissionFleet, settings: ProxySettings, router: Router, metrics: Metrics) -> None:
         self.fleet = fleet
         self.settings = settings
         self.router = router

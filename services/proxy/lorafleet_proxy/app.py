@@ -64,6 +64,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     log.info("proxy starting routing=%s upstreams=%s dns=%s ledger=%s adapters=%d", settings.proxy_routing,
              settings.upstream_urls, settings.proxy_upstream_dns or "-", ledger.path, len(ledger))
     await fleet.start()
+    fleet.supervise("content", ledger.collect_content, min(max(settings.proxy_content_grace_s / 2, 1.0), 60.0))
     fleet.supervise("leases", app.state.runs.expire_idle,
                     min(settings.run_lease_s / 4, settings.proxy_health_interval_s))
     if settings.proxy_canary_interval_s > 0:
@@ -90,7 +91,7 @@ def create_app(settings: ProxySettings, *, transport: httpx.AsyncBaseTransport |
     fleet = Fleet(settings, router, ledger, transport, metrics)
     upstreams = Upstreams(settings.proxy_request_timeout_s, settings.proxy_upstream_token)
     fleet.on_eject.append(upstreams.abandon)  # a hung replica's requests in flight are retried elsewhere
-    runs = Runs(settings, fleet, ledger, metrics, broadcast.unload_from_ready)
+    runs = Runs(settings, fleet, ledger, metrics, partial(broadcast.unload_from_ready, fleet))
 
     app = ProxyApp(title="lorafleet proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
                    openapi_url="/openapi.json", exception_handlers={RequestValidationError: validation_error})
@@ -98,7 +99,8 @@ def create_app(settings: ProxySettings, *, transport: httpx.AsyncBaseTransport |
     app.state.fleet, app.state.router, app.state.ledger, app.state.metrics, app.state.runs = (
         fleet, router, ledger, metrics, runs)
     app.include_router(relayed_router())
-    app.include_router(AdminPlane(fleet, runs, metrics, PauseElision(settings.proxy_sync_pause)).router())
+    elision = PauseElision(settings.proxy_sync_pause)
+    app.include_router(AdminPlane(fleet, ledger.content, runs, metrics, elision).router())
     app.include_router(FleetViews(settings, fleet, ledger, router, runs, metrics).router())
     app.openapi = lambda: document(app)  # type: ignore[method-assign]
     app.front = Front(partial(FastAPI.__call__, app), fleet, router, metrics, upstreams,

@@ -19,18 +19,29 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lorafleet.engine_identity import AdapterIdentity, Report, ReportError, attest_request, parse_report
 from lorafleet.ledger_format import Entry
 from lorafleet.vllm_api import VLLMError, VLLMUnreachable
 
+from .epoch import Broadcasts, unchanged_since
 from .metrics import Metrics
 from .replica import Attestation as Seen
 from .replica import Replica
 
-if TYPE_CHECKING:
-    from .fleet import Fleet
+
+class AttestedFleet(Broadcasts, Protocol):
+    """What attestation needs of the fleet (fleet.Fleet is one): the ready replicas, the ledger's entries, to record
+    references, and to distrust a replica."""
+
+    def ready(self) -> list[Replica]: ...
+
+    def wanted(self) -> dict[str, Entry]: ...
+
+    def record_references(self, entries: dict[str, Entry]) -> Exception | None: ...
+
+    def distrust(self, replica: Replica, subjects: list[str], reason: str) -> None: ...
 
 log = logging.getLogger("lorafleet.proxy.attestation")
 
@@ -101,7 +112,7 @@ def judge(report: Report, listed: dict[str, str], wanted: dict[str, Entry]) -> V
 class AttestationWatch:
     """Asks replicas for their reports and acts on the verdicts."""
 
-    def __init__(self, fleet: Fleet, metrics: Metrics) -> None:
+    def __init__(self, fleet: AttestedFleet, metrics: Metrics) -> None:
         self.fleet = fleet
         self.metrics = metrics
         self.rounds = 0
@@ -185,7 +196,7 @@ class AttestationWatch:
             epoch = fleet.broadcast_epoch
             report = await self.read(replica)
             listed = await replica.client.loaded_adapters() if report is not None else {}
-            if report is None or fleet.lock.locked() or epoch != fleet.broadcast_epoch:
+            if report is None or not unchanged_since(fleet, epoch):
                 continue  # a broadcast ran meanwhile: the report may predate it
             verdict = self.verdict(replica, report, listed)
             if verdict.problems:

@@ -9,7 +9,7 @@ is ejected and comes back only after a backoff, through the warm-up (it must gen
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lorafleet.settings import ProxySettings
 
@@ -17,14 +17,17 @@ from .admission import backoff_s
 from .metrics import Metrics
 from .replica import Replica, State
 
-if TYPE_CHECKING:
-    from .fleet import Fleet
+
+class BreakerFleet(Protocol):
+    """What the breaker needs of the fleet (fleet.Fleet is one): to eject a replica."""
+
+    def eject(self, replica: Replica, error: str) -> None: ...
 
 
 class CircuitBreaker:
     """Counts routed generations per replica (each replica keeps its window) and ejects through the fleet."""
 
-    def __init__(self, fleet: Fleet, settings: ProxySettings, metrics: Metrics) -> None:
+    def __init__(self, fleet: BreakerFleet, settings: ProxySettings, metrics: Metrics) -> None:
         self.fleet = fleet
         self.settings = settings
         self.metrics = metrics

@@ -14,27 +14,87 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from lorafleet.adapters import AdapterNameError, check_adapter_name
-from lorafleet.ledger_format import Entry, LedgerState
+from lorafleet.ledger_format import Entry, LedgerState, RunRecord
 from lorafleet.logs import log_event
 from lorafleet.runs import DEFAULT_RUN
 from lorafleet.vllm_api import VLLMError, VLLMUnreachable
 
-from .content_store import ContentError, NoAdapter, Stored
-from .errors import adapter_not_found, error, ledger_failed, no_ready_replica, rebuilding, relay
-from .fleet import Fleet, Replica, State
+from .canary import Key
+from .content_store import ContentError, ContentStore, NoAdapter, Stored
+from .errors import FleetStates, adapter_not_found, error, ledger_failed, no_ready_replica, rebuilding, relay
+from .replica import Replica, State
 from .sync import load_until, retry_until
 
 log = logging.getLogger("lorafleet.proxy.broadcast")
 
+
+class BroadcastFleet(FleetStates, Protocol):
+    """What a fleet-wide change needs of the fleet (fleet.Fleet is one): its lock and targets, the ledger read and
+    written, the canary's and attestation's verdicts, and the changes of replica state a broadcast makes."""
+
+    @property
+    def paused(self) -> str | None: ...
+
+    @property
+    def rebuilding(self) -> bool: ...
+
+    @property
+    def load_timeout_s(self) -> float: ...
+
+    def broadcasting(self) -> AbstractAsyncContextManager[None]: ...
+
+    def ready(self) -> list[Replica]: ...
+
+    # The ledger: each write answers the error it met (None: written).
+    def snapshot(self) -> LedgerState: ...
+
+    def recorded(self, name: str) -> Entry | None: ...
+
+    def commit(self, state: LedgerState) -> Exception | None: ...
+
+    def record_load(self, name: str, entry: Entry, runs: dict[str, RunRecord]) -> Exception | None: ...
+
+    def record_unload(self, name: str) -> Exception | None: ...
+
+    def record_pause(self, mode: str | None) -> Exception | None: ...
+
+    # The verdicts a load waits for.
+    async def judge(self, subject: str, replicas: list[Replica], key: Key | None = None,
+                    ) -> tuple[list[Replica], bool, str]: ...
+
+    async def attest_load(self, name: str, entry: Entry, holders: list[Replica],
+                          ) -> tuple[Entry, dict[Replica, str]]: ...
+
+    # What a broadcast changes of the replicas' states.
+    def eject(self, replica: Replica, error: str) -> None: ...
+
+    def resync(self, replica: Replica, reason: str) -> None: ...
+
+    def quarantine(self, replica: Replica, subject: str, reason: str) -> None: ...
+
+    def distrust(self, replica: Replica, subjects: list[str], reason: str) -> None: ...
+
+    def mark_loaded(self, name: str, entry: Entry) -> None: ...
+
+    def mark_unloaded(self, name: str, replicas: list[Replica]) -> None: ...
+
+    def prefix_caches_reset(self) -> None: ...
+
+    def rolled_back(self, operation: str) -> None: ...
+
+    def load_phase(self, phase: str) -> AbstractContextManager[None]: ...
+
+
 PAUSE_MODES = ("abort", "wait", "keep")
 T = TypeVar("T")
 P = ParamSpec("P")
-Operation = Callable[Concatenate[Fleet, list[Replica], P], Awaitable[Response]]  # (fleet, targets, ...)
-Guarded = Callable[Concatenate[Fleet, P], Awaitable[Response]]  # (fleet, ...)
+Operation = Callable[Concatenate[BroadcastFleet, list[Replica], P], Awaitable[Response]]  # (fleet, targets, ...)
+Guarded = Callable[Concatenate[BroadcastFleet, P], Awaitable[Response]]  # (fleet, ...)
 
 
 def guarded(*, needs_ready: bool = True) -> Callable[[Operation[P]], Guarded[P]]:
@@ -44,7 +104,7 @@ def guarded(*, needs_ready: bool = True) -> Callable[[Operation[P]], Guarded[P]]
 
     def wrap(operation: Operation[P]) -> Guarded[P]:
         @functools.wraps(operation)
-        async def run(fleet: Fleet, *args: P.args, **kwargs: P.kwargs) -> Response:
+        async def run(fleet: BroadcastFleet, *args: P.args, **kwargs: P.kwargs) -> Response:
             async with fleet.broadcasting():
                 if fleet.rebuilding:
                     return rebuilding(fleet)
@@ -59,7 +119,7 @@ def guarded(*, needs_ready: bool = True) -> Callable[[Operation[P]], Guarded[P]]
 
 
 async def _each(
-    fleet: Fleet, replicas: list[Replica], call: Callable[[Replica], Awaitable[T]]
+    fleet: BroadcastFleet, replicas: list[Replica], call: Callable[[Replica], Awaitable[T]]
 ) -> list[tuple[Replica, T | VLLMError]]:
     """Run `call` on every replica concurrently; VLLMErrors come back as results, anything else raises.
 
@@ -86,7 +146,7 @@ def _failures(results: list[tuple[Replica, Any]]) -> list[tuple[Replica, VLLMErr
 
 
 # --- load ------------------------------------------------------------------------------------------
-def _check_load_request(fleet: Fleet, body: dict[str, Any]) -> tuple[str, str] | JSONResponse:
+def _check_load_request(fleet: BroadcastFleet, body: dict[str, Any]) -> tuple[str, str] | JSONResponse:
     name, path = body.get("lora_name"), body.get("lora_path")
     if not name or not path:
         return error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
@@ -101,41 +161,42 @@ def _check_load_request(fleet: Fleet, body: dict[str, Any]) -> tuple[str, str] |
     return name, str(path)
 
 
-async def load_adapter(fleet: Fleet, body: dict[str, Any], run: str = DEFAULT_RUN,
+async def load_adapter(fleet: BroadcastFleet, content: ContentStore, body: dict[str, Any], run: str = DEFAULT_RUN,
                        admit: Callable[[LedgerState], JSONResponse | None] | None = None) -> Response:
     """All-or-nothing load; idempotent for the same path and content; a new path or new content under a
     known name is a rebind (unload everywhere, reset prefix caches, load), never "already loaded".
 
-    `body["lora_name"]` is the fleet-unique name of `run`'s adapter; `admit` (under the fleet lock, before any
-    replica is touched) may register the run in the state it is given, or refuse the load (runs)."""
+    The replicas load the copy in `content` (the store the ledger's entries name); `body["lora_name"]` is the
+    fleet-unique name of `run`'s adapter; `admit` (under the fleet lock, before any replica is touched) may register
+    the run in the state it is given, or refuse the load (runs)."""
     checked = _check_load_request(fleet, body)
     if isinstance(checked, JSONResponse):
         return checked
     name, path = checked
     with fleet.load_phase("store"):
-        stored = await _store(fleet, path)
+        stored = await _store(content, path, fleet.load_timeout_s)
     if isinstance(stored, JSONResponse):
         return stored
-    with fleet.content.pinned(stored):
+    with content.pinned(stored):
         return await _load(fleet, name, Entry(stored.path, stored.fingerprint, run, stored.source), admit)
 
 
-async def _store(fleet: Fleet, path: str) -> Stored | JSONResponse:
+async def _store(content: ContentStore, path: str, timeout_s: float) -> Stored | JSONResponse:
     """Copy the adapter folder `path` (as the route confined it: runs.confinement) into the content store, through the
     store's one walk (in a thread: the event loop goes on), retrying while it has no adapter_config.json (the volume
     catching up) until the load's deadline; then a 400. Nothing here resolves `path`: the walk is the check."""
     try:
-        return await retry_until(lambda: asyncio.to_thread(fleet.content.ingest, path),
-                                 lambda exc: isinstance(exc, NoAdapter), time.monotonic() + fleet.load_timeout_s)
+        return await retry_until(lambda: asyncio.to_thread(content.ingest, path),
+                                 lambda exc: isinstance(exc, NoAdapter), time.monotonic() + timeout_s)
     except NoAdapter as exc:  # the client named no adapter; never 404 to TRL (it reads 404 as "runtime LoRA disabled")
-        return error(400, f"{exc} (still missing after {fleet.load_timeout_s:.0f}s)", "InvalidUserInput", "lora_path")
+        return error(400, f"{exc} (still missing after {timeout_s:.0f}s)", "InvalidUserInput", "lora_path")
     except ContentError as exc:
         log_event(log, "load_refused", logging.WARNING, path=path, error=exc)
         return error(400, str(exc), "InvalidUserInput", "lora_path")
 
 
 @guarded()
-async def _load(fleet: Fleet, targets: list[Replica], name: str, entry: Entry,
+async def _load(fleet: BroadcastFleet, targets: list[Replica], name: str, entry: Entry,
                 admit: Callable[[LedgerState], JSONResponse | None] | None) -> Response:
     path = entry.path
     planned = fleet.snapshot()  # the load's admission may register its run here
@@ -176,7 +237,7 @@ async def _load(fleet: Fleet, targets: list[Replica], name: str, entry: Entry,
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
-async def _canary_gate(fleet: Fleet, name: str, entry: Entry, holders: list[Replica],
+async def _canary_gate(fleet: BroadcastFleet, name: str, entry: Entry, holders: list[Replica],
                        deadline: float) -> Response | None:
     """The load answers only after the canary ran on it: a replica whose answer departs is quarantined before it
     ever serves the name. Without a majority (two replicas that disagree) both reload the adapter from its files
@@ -196,7 +257,7 @@ async def _canary_gate(fleet: Fleet, name: str, entry: Entry, holders: list[Repl
     return None if fleet.ready() else no_ready_replica(fleet)
 
 
-async def _attestation_gate(fleet: Fleet, name: str, entry: Entry, holders: list[Replica]) -> Entry | Response:
+async def _attestation_gate(fleet: BroadcastFleet, name: str, entry: Entry, holders: list[Replica]) -> Entry | Response:
     """The load answers only after the replicas' engines attested it (attestation.py): the entry gains its reference;
     a replica that disagrees is distrusted; when none agrees (vLLM applying fewer of its modules than its files name,
     vllm#34186) the load is rolled back."""
@@ -234,7 +295,7 @@ async def _load_one(replica: Replica, name: str, path: str, deadline: float) -> 
         raise
 
 
-async def _unload_from(fleet: Fleet, name: str, replicas: list[Replica], why: str) -> None:
+async def _unload_from(fleet: BroadcastFleet, name: str, replicas: list[Replica], why: str) -> None:
     """Unload `name` from `replicas`; one that fails leaves traffic and re-syncs to the ledger."""
     undone = await _each(fleet, replicas, lambda replica: replica.client.unload_lora_adapter(name))
     for replica, result in _failures(undone):
@@ -243,12 +304,12 @@ async def _unload_from(fleet: Fleet, name: str, replicas: list[Replica], why: st
     fleet.mark_unloaded(name, replicas)
 
 
-async def unload_from_ready(fleet: Fleet, name: str, why: str) -> None:
+async def unload_from_ready(fleet: BroadcastFleet, name: str, why: str) -> None:
     """Unload `name` from every ready replica (the caller took the lock and dropped it from the ledger)."""
     await _unload_from(fleet, name, fleet.ready(), why)
 
 
-async def _roll_back(fleet: Fleet, name: str, accepted: list[Replica], failed: list[tuple[Replica, VLLMError]],
+async def _roll_back(fleet: BroadcastFleet, name: str, accepted: list[Replica], failed: list[tuple[Replica, VLLMError]],
                      total: int) -> JSONResponse:
     await _unload_from(fleet, name, accepted, "rollback")
     fleet.rolled_back("load")
@@ -263,7 +324,7 @@ async def _roll_back(fleet: Fleet, name: str, accepted: list[Replica], failed: l
     return relay(first, context)
 
 
-async def _rebind(fleet: Fleet, name: str, targets: list[Replica]) -> JSONResponse | None:
+async def _rebind(fleet: BroadcastFleet, name: str, targets: list[Replica]) -> JSONResponse | None:
     """Same name, other path or content: unload everywhere and reset prefix caches before the load.
 
     The ledger drops the name first; if no replica could unload it, the ledger gets it back."""
@@ -287,7 +348,7 @@ async def _rebind(fleet: Fleet, name: str, targets: list[Replica]) -> JSONRespon
 
 
 # --- unload ----------------------------------------------------------------------------------------
-async def unload_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
+async def unload_adapter(fleet: BroadcastFleet, body: dict[str, Any]) -> Response:
     """Unload everywhere; 404 like vLLM when neither the ledger nor any replica had it.
 
     The ledger drops the name first. If every replica fails to unload it, the ledger gets it back and
@@ -303,7 +364,7 @@ async def unload_adapter(fleet: Fleet, body: dict[str, Any]) -> Response:
 
 
 @guarded(needs_ready=False)
-async def _unload(fleet: Fleet, targets: list[Replica], name: str) -> Response:
+async def _unload(fleet: BroadcastFleet, targets: list[Replica], name: str) -> Response:
     previous = fleet.snapshot()
     in_ledger = name in previous.adapters
     if (exc := fleet.record_unload(name)) is not None:
@@ -327,7 +388,7 @@ async def _unload(fleet: Fleet, targets: list[Replica], name: str) -> Response:
 
 
 # --- pause / resume / caches -----------------------------------------------------------------------
-async def _set_pause(fleet: Fleet, replicas: list[Replica], mode: str | None, why: str) -> None:
+async def _set_pause(fleet: BroadcastFleet, replicas: list[Replica], mode: str | None, why: str) -> None:
     """Put `replicas` back into pause state `mode` (None = running); one that fails re-syncs."""
     if not replicas:
         return
@@ -337,7 +398,7 @@ async def _set_pause(fleet: Fleet, replicas: list[Replica], mode: str | None, wh
         fleet.resync(replica, f"{why}: {exc}")
 
 
-async def pause(fleet: Fleet, mode: str) -> Response:
+async def pause(fleet: BroadcastFleet, mode: str) -> Response:
     """Pause every ready replica and record the pause in the ledger; if some fail (or the ledger write
     does), the replicas that paused are put back in the fleet's previous state and the failure reported."""
     if mode not in PAUSE_MODES:
@@ -346,7 +407,7 @@ async def pause(fleet: Fleet, mode: str) -> Response:
 
 
 @guarded()
-async def _pause(fleet: Fleet, targets: list[Replica], mode: str) -> Response:
+async def _pause(fleet: BroadcastFleet, targets: list[Replica], mode: str) -> Response:
     previous = fleet.paused
     results = await _each(fleet, targets, lambda replica: replica.client.pause(mode))  # type: ignore[arg-type]
     paused = [replica for replica, result in results if not isinstance(result, VLLMError)]
@@ -368,7 +429,7 @@ async def _pause(fleet: Fleet, targets: list[Replica], mode: str) -> Response:
 
 
 @guarded(needs_ready=False)
-async def resume(fleet: Fleet, targets: list[Replica]) -> Response:
+async def resume(fleet: BroadcastFleet, targets: list[Replica]) -> Response:
     """Resume every ready replica and record it in the ledger. If every replica fails, nothing changes and
     the error is returned; one that fails alone leaves traffic and re-syncs (which resumes it)."""
     previous = fleet.paused
@@ -387,21 +448,21 @@ async def resume(fleet: Fleet, targets: list[Replica]) -> Response:
     return JSONResponse({"status": "resumed"})
 
 
-async def post_everywhere(fleet: Fleet, path: str, params: dict[str, str]) -> list[tuple[Replica, Any]]:
+async def post_everywhere(fleet: BroadcastFleet, path: str, params: dict[str, str]) -> list[tuple[Replica, Any]]:
     """POST `path` to every ready replica (cache resets); results as (replica, response or VLLMError)."""
     async with fleet.broadcasting():
         return await _each(fleet, fleet.ready(),
                            lambda replica: replica.client.request("POST", path, params=params))
 
 
-async def reset_cache(fleet: Fleet, path: str, params: dict[str, str]) -> Response:
+async def reset_cache(fleet: BroadcastFleet, path: str, params: dict[str, str]) -> Response:
     """Other cache resets (/reset_mm_cache, ...): no routing state to clear; an empty 200 when all succeed."""
     results = await post_everywhere(fleet, path, params)
     failed = _failures(results)
     return relay(failed[0][1], f"{path} failed on {failed[0][0].url}") if failed else Response()
 
 
-async def reset_prefix_cache(fleet: Fleet, params: dict[str, str]) -> Response:
+async def reset_prefix_cache(fleet: BroadcastFleet, params: dict[str, str]) -> Response:
     results = await post_everywhere(fleet, "/reset_prefix_cache", params)
     fleet.prefix_caches_reset()
     failed = _failures(results)

@@ -14,18 +14,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lorafleet.settings import ProxySettings
 from lorafleet.vllm_api import VLLMError
 
 from .canary import BASE_SUBJECT, Canary, CanaryAnswer, Key, describe, full_precision
+from .epoch import Broadcasts, unchanged_since
 from .ledger import Ledger
 from .metrics import Metrics
 from .replica import Replica, State
 
-if TYPE_CHECKING:
-    from .fleet import Fleet
+
+class CanaryFleet(Broadcasts, Protocol):
+    """What the canary's rounds need of the fleet (fleet.Fleet is one): its replicas, the ready ones, its pause, and
+    to quarantine a replica."""
+
+    replicas: dict[str, Replica]
+
+    @property
+    def paused(self) -> str | None: ...
+
+    def ready(self) -> list[Replica]: ...
+
+    def quarantine(self, replica: Replica, subject: str, reason: str) -> None: ...
 
 log = logging.getLogger("lorafleet.proxy.fleet")
 
@@ -41,7 +53,7 @@ class CanaryDisagreement(VLLMError):
 class CanaryWatch:
     """Probes the fleet's subjects and acts on the verdicts; the canary's references live as long as the proxy."""
 
-    def __init__(self, fleet: Fleet, settings: ProxySettings, ledger: Ledger, metrics: Metrics) -> None:
+    def __init__(self, fleet: CanaryFleet, settings: ProxySettings, ledger: Ledger, metrics: Metrics) -> None:
         self.fleet = fleet
         self.ledger = ledger
         self.metrics = metrics
@@ -158,7 +170,7 @@ class CanaryWatch:
             epoch = fleet.broadcast_epoch
             holders = [r for r in fleet.ready() if subject == BASE_SUBJECT or subject in r.adapters]
             odd, decided, why = await self.judge(subject, holders)
-            if fleet.lock.locked() or epoch != fleet.broadcast_epoch:
+            if not unchanged_since(fleet, epoch):
                 continue  # a broadcast ran meanwhile: these answers may predate it
             if not decided and len(holders) > 1:
                 log.warning("canary undecided subject=%s: %s", subject or "base", why)
@@ -193,7 +205,7 @@ class CanaryWatch:
         answers = await self.canary.probe_all(self.probe_model(subject, replicas[0]),
                                               {r.url: r.client for r in replicas}, self.forced(replicas))
         reference = self.canary.references.get(key)
-        if fleet.lock.locked() or epoch != fleet.broadcast_epoch or not answers or reference is None:
+        if not unchanged_since(fleet, epoch) or not answers or reference is None:
             return
         tolerance = self.tolerance(replicas)
         distances = {url: answer.distance(reference) for url, answer in answers.items()}

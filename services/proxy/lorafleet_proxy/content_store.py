@@ -45,7 +45,15 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from lorafleet.adapters import AdapterPathError, confine, fleet_dir
-from lorafleet.ledger_format import CHUNK, CONFIG_FILE, FINGERPRINT_PREFIX, WEIGHTS_SUFFIX, ContentHash, adapter_files
+from lorafleet.ledger_format import (
+    CHUNK,
+    CONFIG_FILE,
+    FINGERPRINT_PREFIX,
+    WEIGHTS_SUFFIX,
+    ContentHash,
+    adapter_files,
+    folder_digest,
+)
 from lorafleet.logs import log_event
 from lorafleet.safetensors_header import header_problem
 
@@ -127,7 +135,7 @@ class ContentStore:
         try:
             self.stage("opened")
             copied = self._copy(folder, temp, source)
-            digest = self._hash_folder(temp)
+            digest = folder_digest(temp)
             if copied is not None and copied != digest:
                 raise ContentError(f"the copy of {source} does not hash to what was read ({copied} != {digest})")
             _check_weights(temp, source)
@@ -207,16 +215,6 @@ class ContentStore:
                 os.close(src)
         return None if cloned else digest.hexdigest()
 
-    def _hash_folder(self, folder: Path) -> str:
-        digest = ContentHash()
-        for name in adapter_files(os.listdir(folder)):
-            digest.start(name)
-            with open(folder / name, "rb") as handle:
-                while chunk := handle.read(CHUNK):
-                    digest.update(chunk)
-            digest.end()
-        return digest.hexdigest()
-
     def _publish(self, temp: Path, digest: str, source: str) -> Stored:
         """Rename `temp` to its hash (atomic); an existing folder of that name is reused once it verified."""
         final = self.root / digest
@@ -252,7 +250,7 @@ class ContentStore:
         if digest in self._verified:
             return True
         try:
-            ok = self._hash_folder(self.root / digest) == digest
+            ok = folder_digest(self.root / digest) == digest
         except OSError:
             ok = False
         if ok:

@@ -6,16 +6,15 @@ so a client that reads vLLM's errors reads the proxy's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from lorafleet.vllm_api import VLLMError, error_body
 
-if TYPE_CHECKING:
-    from .fleet import Fleet
-    from .ledger import LedgerWriteError
+from .replica import Replica
 
 MAX_REPORTED_ERRORS = 5
 MAX_ERROR_CHARS = 300
@@ -55,17 +54,28 @@ def relay(exc: VLLMError, context: str) -> JSONResponse:
     return error(status, f"{exc.message} [proxy: {context}]", error_type)
 
 
-def no_ready_replica(fleet: Fleet) -> JSONResponse:
+class FleetStates(Protocol):
+    """What the fleet's 503s tell of it (fleet.Fleet is one): its replicas' states, why its ledger is rebuilt."""
+
+    @property
+    def replicas(self) -> Mapping[str, Replica]: ...
+
+    @property
+    def unreadable_reason(self) -> str: ...
+
+
+def no_ready_replica(fleet: FleetStates) -> JSONResponse:
     states = {replica.url: replica.state.value for replica in fleet.replicas.values()}
     return error(503, f"no ready replica in the fleet: {states}", "ServiceUnavailable")
 
 
-def rebuilding(fleet: Fleet) -> JSONResponse:
+def rebuilding(fleet: FleetStates) -> JSONResponse:
     return error(503, f"the fleet ledger is being rebuilt from the replicas (the file was unusable: "
                  f"{fleet.unreadable_reason}); retry once a replica answers", "ServiceUnavailable")
 
 
-def ledger_failed(exc: LedgerWriteError, undone: str) -> JSONResponse:
+def ledger_failed(exc: Exception, undone: str) -> JSONResponse:
+    """500: the ledger could not be written (`exc`: ledger.LedgerWriteError), and what was undone."""
     return error(500, f"{exc}; {undone}", "LedgerWriteError")
 
 

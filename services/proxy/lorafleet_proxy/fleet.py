@@ -9,7 +9,9 @@
 changes (`mark_loaded`, `mark_unloaded`, `record_load`, ...): the other modules ask it by name and never write a
 replica's state or the ledger themselves. Each job has its own module: admission.py (the warm-up and the catch-up,
 scheduled with backoff), health.py (the health loop, failures toward ejection), breaker.py (the circuit breaker),
-canary_watch.py (the canary's rounds and verdicts), ledger_rebuild.py (an unreadable ledger rebuilt). The loops are
+canary_watch.py (the canary's rounds and verdicts), ledger_rebuild.py (an unreadable ledger rebuilt). Each of them,
+and broadcast.py, ratio_verdict.py and the runs, names the few actions it needs of the fleet as a Protocol of its own
+(`HealthFleet`, `BroadcastFleet`, ...) that `Fleet` satisfies: they never import this module. The loops are
 supervised: an unexpected error is logged and counted in `lorafleet_proxy_loop_errors_total` while the loop goes
 on. The states and their reasons: docs/concepts/fleet-state.md.
 """
@@ -54,7 +56,6 @@ class Fleet:
         self.settings = settings
         self.router = router
         self.ledger = ledger
-        self.content = ledger.content  # the folders the ledger's entries name: what replicas load
         self.metrics = metrics or Metrics()
         self.transport = transport  # None = the network; tests pass an in-process transport
         self.replicas: dict[str, Replica] = {}
@@ -235,7 +236,6 @@ class Fleet:
         self._tasks.append(asyncio.create_task(
             self._supervised("health", self.health_round, self.settings.proxy_health_interval_s),
             name="proxy-health"))
-        self.supervise("content", self.collect_content, min(max(self.settings.proxy_content_grace_s / 2, 1.0), 60.0))
 
     def supervise(self, loop: str, body: Callable[[], Awaitable[None]], interval_s: float) -> None:
         """One more supervised loop for the life of the proxy (runs' leases); counted by `loops_alive`."""
@@ -331,21 +331,9 @@ class Fleet:
         log.error("replica distrusted by attestation url=%s subjects=%s: %s", replica.url, subjects, reason)
         self.resync(replica, reason)
 
-    async def ratio_report(self, replica: Replica, subject: str, evidence: str) -> str:
-        """A trainer's importance ratio says `replica` decodes `subject` with other weights than its peers: a canary
-        disagreement. Out of routing and re-synced ("quarantined") while another ready replica serves the subject;
-        the last ready holder is only re-checked by the canary, which alone may take it out ("rechecked")."""
-        reason = f"importance ratio: {evidence}"
-        log.error("ratio report url=%s subject=%s: %s", replica.url, subject, evidence)
-        if replica.state is not State.READY:
-            return replica.state.value  # out of routing already: its catch-up ends with the canary's probe
-        if subject not in replica.adapters:
-            return "not_loaded"  # unloaded since: nothing of it to doubt
-        if any(other is not replica and subject in other.adapters for other in self.ready()):
-            self.quarantine(replica, subject, reason)
-            return "quarantined"
-        await self._canary.recheck(subject, [replica], reason)
-        return "quarantined" if replica.state is not State.READY else "rechecked"
+    async def recheck(self, subject: str, replicas: list[Replica], why: str) -> None:
+        """The last ready holders of `subject` doubted: re-loaded in place and probed again (canary_watch.py)."""
+        await self._canary.recheck(subject, replicas, why)
 
     # --- reports and rounds, each done by its job's module ----------------------------------------
     async def health_round(self) -> None:
@@ -353,11 +341,6 @@ class Fleet:
         await self._health.round()
         await self._close_retired()
         self.heartbeat = time.monotonic()
-
-    async def collect_content(self) -> None:
-        """Delete the content-store folders no ledger entry names, once idle past the grace period (content_store)."""
-        referenced = [entry.path for entry in self.ledger.entries().values()]
-        await asyncio.to_thread(self.content.collect, referenced)
 
     async def check(self, replica: Replica) -> bool:
         return await self._health.check(replica)

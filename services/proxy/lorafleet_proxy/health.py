@@ -12,21 +12,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httpx
 from lorafleet.settings import ProxySettings
 from lorafleet.vllm_api import VLLMError, VLLMUnreachable, metric_total
 
 from .admission import Admission
+from .epoch import Broadcasts, unchanged_since
 from .ledger import Ledger
 from .ledger_rebuild import rebuild_ledger
 from .metrics import Metrics
 from .replica import Failure, Replica, State
 from .sync import mismatch
 
-if TYPE_CHECKING:
-    from .fleet import Fleet
+
+class HealthFleet(Broadcasts, Protocol):
+    """What the health loop needs of the fleet (fleet.Fleet is one): its replicas, and to eject or re-sync one."""
+
+    replicas: dict[str, Replica]
+
+    def eject(self, replica: Replica, error: str) -> None: ...
+
+    def resync(self, replica: Replica, reason: str) -> None: ...
 
 
 def failure_kind(exc: VLLMError) -> Failure:
@@ -39,7 +47,7 @@ def failure_kind(exc: VLLMError) -> Failure:
 class HealthChecks:
     """The health rounds, and the count of a replica's failures (checks and routed calls) toward its ejection."""
 
-    def __init__(self, fleet: Fleet, settings: ProxySettings, ledger: Ledger, metrics: Metrics,
+    def __init__(self, fleet: HealthFleet, settings: ProxySettings, ledger: Ledger, metrics: Metrics,
                  admission: Admission) -> None:
         self.fleet = fleet
         self.settings = settings
@@ -117,7 +125,7 @@ class HealthChecks:
             text = await replica.client.metrics()
             replica.engine_queue = int(metric_total(text, "vllm:num_requests_running")
                                        + metric_total(text, "vllm:num_requests_waiting"))
-        if fleet.lock.locked() or epoch != fleet.broadcast_epoch or replica.state is not State.READY:
+        if not unchanged_since(fleet, epoch) or replica.state is not State.READY:
             return  # a broadcast ran (or runs) meanwhile: this snapshot may predate it
         replica.observe(listed)
         problem = mismatch(replica, listed, paused, self.ledger.entries(), self.ledger.paused)

@@ -20,6 +20,7 @@ was loaded with.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -137,6 +138,12 @@ class Ledger:
     @property
     def paused(self) -> str | None:
         return self._state.paused
+
+    async def collect_content(self) -> None:
+        """Delete the content-store folders no entry names, once idle past the grace period (content_store; in a
+        thread: the event loop goes on)."""
+        referenced = [entry.path for entry in self._state.adapters.values()]
+        await asyncio.to_thread(self.content.collect, referenced)
 
     def __len__(self) -> int:
         return len(self._state.adapters)

@@ -1,13 +1,15 @@
 """The content store (content_store.py): what replicas load is a copy only the proxy writes, named by its content.
 
-Any set of files is copied as the fingerprint sees it; a symlink planted at any component of the path after the
-proxy's check, or a file that is not a plain file, is refused; a swap of the folder while the copy reads it changes
-nothing of the copy; a folder of that name already there is reused once it verified; the store stays bounded over
-many versions and runs; a restored ledger refuses a store folder that is missing or does not hash to its name.
+Any set of files is copied as the fingerprint sees it, under the hex name the ledger's format defines; a symlink
+planted at any component of the path after the proxy's check, or a file that is not a plain file, is refused; a swap of
+the folder while the copy reads it changes nothing of the copy; a folder of that name already there is reused once it
+verified; the store stays bounded over many versions and runs; a restored ledger refuses a store folder that is
+missing or does not hash to its name.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lorafleet.ledger_format import Entry, LedgerState, fingerprint
+from lorafleet.ledger_format import Entry, LedgerState, fingerprint, folder_digest
 from lorafleet_proxy.content_store import ContentError, ContentStore, NoAdapter
 from lorafleet_proxy.ledger import Ledger, ledger_path
 from lorafleet_testing.fakes import weights_file
@@ -28,6 +30,15 @@ from test_membership import publish
 SOURCE = Path("runs/r/.vllm_lora/trl-policy-v1")
 FILE_NAMES = st.sampled_from(["adapter_model.safetensors", "extra.safetensors", "a.safetensors", "README.md",
                               "training_args.bin", "notes.txt"])
+
+
+def defined_digest(files: dict[str, bytes]) -> str:
+    """The fingerprint's hex as the ledger's format defines it, written out apart from the code: sha256 over each
+    config or weights file's name, NUL, bytes, NUL, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(name for name in files if name == "adapter_config.json" or name.endswith(".safetensors")):
+        digest.update(name.encode() + b"\0" + files[name] + b"\0")
+    return digest.hexdigest()
 
 
 def make_store(root: Path, **kwargs: object) -> ContentStore:
@@ -47,11 +58,15 @@ def test_any_set_of_files_is_stored_as_the_fingerprint_sees_it(files: dict[str, 
         root = Path(tmp)
         source = root / SOURCE
         source.mkdir(parents=True)
-        for name, data in {**files, "adapter_config.json": config}.items():
-            (source / name).write_bytes(weights_file(data) if name.endswith(".safetensors") else data)
+        written = {name: weights_file(data) if name.endswith(".safetensors") else data
+                   for name, data in {**files, "adapter_config.json": config}.items()}
+        for name, data in written.items():
+            (source / name).write_bytes(data)
         store = make_store(root)
         stored = store.ingest(str(source))
         assert stored.fingerprint == fingerprint(source) and stored.path == str(store.root / stored.fingerprint[7:])
+        hex_name = defined_digest(written)
+        assert Path(stored.path).name == hex_name == folder_digest(stored.path) == folder_digest(source)
         kept = {name for name in files if name.endswith(".safetensors")} | {"adapter_config.json"}
         assert set(os.listdir(stored.path)) == kept, "only what the fingerprint hashes is copied"
         assert all((Path(stored.path) / name).read_bytes() == (source / name).read_bytes() for name in kept)

@@ -332,7 +332,8 @@ async def test_2_a_failed_ledger_write_fails_the_load_and_rolls_it_back(
     monkeypatch.setattr("lorafleet.ledger_format.write", read_only)
     monkeypatch.setattr("lorafleet_proxy.ledger.write", read_only)
     adapter = publish(tmp_path / "v1", b"weights")
-    response = await broadcast.load_adapter(fleet, {"lora_name": "trl-policy-v1", "lora_path": str(adapter)})
+    response = await broadcast.load_adapter(fleet, fleet.ledger.content,
+                                            {"lora_name": "trl-policy-v1", "lora_path": str(adapter)})
     assert response.status_code == 500
     assert "Read-only file system" in json.loads(response.body)["error"]["message"]
     assert all(engine.adapters == {} for engine in engines.values()), "loaded although the ledger was not written"
@@ -448,14 +449,14 @@ async def test_rebind_by_content_same_name_same_path_new_weights(
     (adapter / "adapter_model.safetensors").write_bytes(weights_file(b"published before the crash"))
     await ready_fleet(fleet)
     body = {"lora_name": "trl-policy-v2", "lora_path": str(adapter)}
-    assert (await broadcast.load_adapter(fleet, body)).status_code == 200
+    assert (await broadcast.load_adapter(fleet, fleet.ledger.content, body)).status_code == 200
     first = fleet.ledger.get("trl-policy-v2")
     assert first is not None and first.fingerprint.startswith("sha256:")
-    assert (await broadcast.load_adapter(fleet, body)).status_code == 200
+    assert (await broadcast.load_adapter(fleet, fleet.ledger.content, body)).status_code == 200
     assert engines[R1].loads == ["trl-policy-v2"], "the same content was loaded twice"
 
     (adapter / "adapter_model.safetensors").write_bytes(weights_file(b"republished after the resume"))
-    assert (await broadcast.load_adapter(fleet, body)).status_code == 200
+    assert (await broadcast.load_adapter(fleet, fleet.ledger.content, body)).status_code == 200
     for engine in engines.values():
         # Not the canary's probes nor attestation's reports (reads).
         changes = [call for call in engine.calls if call not in ("/v1/completions", "/collective_rpc")]

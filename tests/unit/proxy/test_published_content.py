@@ -30,7 +30,8 @@ async def test_the_trainers_later_change_to_its_folder_reaches_no_replica(fleet:
     v1 = publish(tmp_path / "runs/r/.vllm_lora/trl-policy-v1", b"published weights")
     published = fingerprint(v1)
     await check_and_sync(fleet, R1)
-    response = await broadcast.load_adapter(fleet, {"lora_name": "trl-policy-v1", "lora_path": str(v1)})
+    response = await broadcast.load_adapter(fleet, fleet.ledger.content,
+                                            {"lora_name": "trl-policy-v1", "lora_path": str(v1)})
     assert response.status_code == 200, response.body
     entry = fleet.ledger.get("trl-policy-v1")
     assert entry is not None and entry.fingerprint == published and entry.source == str(v1)
@@ -54,10 +55,10 @@ async def test_a_republish_under_the_same_name_is_a_rebind_to_the_new_content(fl
     v1 = tmp_path / "runs/r/.vllm_lora/trl-policy-v1"
     body = {"lora_name": "trl-policy-v1", "lora_path": str(v1)}
     publish(v1, b"first")
-    assert (await broadcast.load_adapter(fleet, body)).status_code == 200
+    assert (await broadcast.load_adapter(fleet, fleet.ledger.content, body)).status_code == 200
     first = fleet.ledger.get("trl-policy-v1")
     republished = fingerprint(publish(v1, b"second"))
-    response = await broadcast.load_adapter(fleet, body)
+    response = await broadcast.load_adapter(fleet, fleet.ledger.content, body)
     assert response.status_code == 200, response.body
     entry = fleet.ledger.get("trl-policy-v1")
     assert entry is not None and first is not None and entry.fingerprint == republished and entry.path != first.path
@@ -73,7 +74,8 @@ async def test_a_load_naming_the_proxys_own_folders_is_refused(fleet: Fleet, tmp
     engines: dict[str, Engine] = fleet.engines  # type: ignore[attr-defined]
     await check_and_sync(fleet, R1)
     (tmp_path / ".content").mkdir(exist_ok=True)
-    response = await broadcast.load_adapter(fleet, {"lora_name": "x", "lora_path": str(tmp_path / where)})
+    response = await broadcast.load_adapter(fleet, fleet.ledger.content,
+                                            {"lora_name": "x", "lora_path": str(tmp_path / where)})
     assert response.status_code == 400
     assert b"only the proxy names those" in response.body and b'"param":"lora_path"' in response.body
     assert "/v1/load_lora_adapter" not in engines[R1].calls

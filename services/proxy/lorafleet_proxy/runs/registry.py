@@ -11,8 +11,9 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 from fastapi.responses import JSONResponse, Response
@@ -24,22 +25,45 @@ from starlette.types import Scope
 
 from ..auth import on_public_port
 from ..errors import error, ledger_failed
+from ..metrics import Metrics
+from ..replica import Replica
 from .budget import SlotBudget
 from .confinement import OutsideRunFolder, confine_load, load_folders
 from .fairshare import FairShare, Ticket, estimate_tokens, prompt_tokens
 from .key_check import RunKeys
 from .names import RUN_SCOPE_KEY, NameMap, own_name, run_of_scope, split_run_path
 
-if TYPE_CHECKING:
-    from ..fleet import Fleet
-    from ..ledger import Ledger
-    from ..metrics import Metrics
-
 log = logging.getLogger("lorafleet.proxy.runs")
 
 WAIT_POLL_S = 0.02
 FleetCall = Callable[[], Awaitable[Response]]
-Unload = Callable[["Fleet", str, str], Awaitable[None]]  # (fleet, adapter, why): broadcast.unload_from_ready
+Unload = Callable[[str, str], Awaitable[None]]  # (adapter, why): broadcast.unload_from_ready on the fleet
+
+
+class RunsFleet(Protocol):
+    """What the runs need of the fleet (fleet.Fleet is one): the ready replicas (their LoRA slots), its lock for a
+    change of the ledger, and the ledger's write."""
+
+    def ready(self) -> list[Replica]: ...
+
+    def broadcasting(self) -> AbstractAsyncContextManager[None]: ...
+
+    def commit(self, state: LedgerState) -> Exception | None: ...
+
+
+class RunsLedger(Protocol):
+    """What the runs read of the ledger (ledger.Ledger is one), and its observers, told every state it takes."""
+
+    observers: list[Callable[[LedgerState], None]]
+    rebuilding: bool
+
+    def state(self) -> LedgerState: ...
+
+    def entries(self) -> dict[str, Entry]: ...
+
+    def get(self, name: str) -> Entry | None: ...
+
+    def runs(self) -> dict[str, RunRecord]: ...
 
 
 @dataclass
@@ -79,7 +103,8 @@ class Turn:
 class Runs:
     """The runs sharing the fleet: registrations (in the ledger), live state, budget, pauses and leases."""
 
-    def __init__(self, settings: ProxySettings, fleet: Fleet, ledger: Ledger, metrics: Metrics, unload: Unload) -> None:
+    def __init__(self, settings: ProxySettings, fleet: RunsFleet, ledger: RunsLedger, metrics: Metrics,
+                 unload: Unload) -> None:
         self.settings = settings
         self.fleet = fleet
         self.unload = unload  # injected: a run's expiry unloads through the broadcasts, which know nothing of runs
@@ -342,7 +367,7 @@ class Runs:
                 log.error("run expiry failed run=%s: the ledger could not be written; retried", run)
                 return False
             for name in names:
-                await self.unload(self.fleet, name, f"run {run} expired")
+                await self.unload(name, f"run {run} expired")
         self.live.pop(run, None)
         for per_run in (self.metrics.run_slots, self.metrics.run_adapters, self.metrics.run_inflight,
                         self.metrics.run_share):
