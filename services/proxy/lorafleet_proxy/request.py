@@ -10,13 +10,11 @@ on every request costs more than all the arguments it replaces (bench/hotpath_be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from starlette.types import Receive, Scope, Send
 
-if TYPE_CHECKING:
-    from .router import Prompt
-    from .runs import NameMap, Turn
+from .router import Prompt
+from .runs import NameMap, Turn
 
 
 @dataclass(slots=True)
