@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lorafleet.safetensors_header import HeaderError, read_header
 
 # The worker method vLLM's /collective_rpc calls; prefixed so it never collides with a vLLM worker attribute.
 ATTEST_METHOD = "lorafleet_lora_identity"
@@ -136,13 +138,16 @@ def combine(digests: list[str]) -> str:
 def named_modules(adapter_dir: str | Path) -> tuple[str, ...] | None:
     """The modules an adapter's safetensors file names (PEFT's prefix and LoRA suffixes cut), sorted; read from the
     file's header alone (no tensor is read). None when there is no such file or its header is unreadable."""
-    path = Path(adapter_dir) / WEIGHTS_FILE
     try:
-        with path.open("rb") as file:
-            (size,) = struct.unpack("<Q", file.read(8))
-            header = json.loads(file.read(size))
-    except (OSError, struct.error, ValueError):
+        fd = os.open(Path(adapter_dir) / WEIGHTS_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
         return None
+    try:
+        header = read_header(fd).entries
+    except (OSError, HeaderError):
+        return None
+    finally:
+        os.close(fd)
     modules = set()
     for key in header:
         for suffix in LORA_SUFFIXES:

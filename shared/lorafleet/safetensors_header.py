@@ -20,7 +20,7 @@ import json
 import math
 import os
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors reader's own limit
 DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,
@@ -28,21 +28,44 @@ DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0"
               "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 
-def header_problem(fd: int) -> str | None:
-    """Why the safetensors file open at `fd` cannot be read as one (None: it can). Reads the header only."""
+class HeaderError(ValueError):
+    """A safetensors file whose header cannot be read: too small, a size past its end, not a JSON object."""
+
+
+class Header(NamedTuple):
+    """A safetensors file's header and where its data lies (from `data_start`, `data_bytes` long)."""
+
+    entries: dict[str, Any]  # tensor name -> {"dtype", "shape", "data_offsets"}, and "__metadata__" where present
+    data_start: int
+    data_bytes: int
+
+
+def read_header(fd: int) -> Header:
+    """The header of the safetensors file open at `fd`, read alone (no tensor is read); HeaderError says why not.
+    The one reader of the format's header: the store's check, the attestation's module names and the trainer's
+    tensor comparison."""
     size = os.fstat(fd).st_size
     if size < 8:
-        return f"{size} bytes: too small for a header"
+        raise HeaderError(f"{size} bytes: too small for a header")
     (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
     if length > MAX_HEADER_BYTES or 8 + length > size:
-        return f"its header claims {length} bytes, the file holds {size}"
+        raise HeaderError(f"its header claims {length} bytes, the file holds {size}")
     try:
-        header = json.loads(os.pread(fd, length, 8).decode("utf-8"))
+        entries = json.loads(os.pread(fd, length, 8).decode("utf-8"))
     except ValueError:  # UnicodeDecodeError included
-        return "its header is not JSON"
-    if not isinstance(header, dict):
-        return "its header is not a JSON object"
-    return _tensors_problem(header, size - 8 - length)
+        raise HeaderError("its header is not JSON") from None
+    if not isinstance(entries, dict):
+        raise HeaderError("its header is not a JSON object")
+    return Header(entries, 8 + length, size - 8 - length)
+
+
+def header_problem(fd: int) -> str | None:
+    """Why the safetensors file open at `fd` cannot be read as one (None: it can). Reads the header only."""
+    try:
+        header = read_header(fd)
+    except HeaderError as error:
+        return str(error)
+    return _tensors_problem(header.entries, header.data_bytes)
 
 
 def _tensors_problem(header: dict[str, Any], data_bytes: int) -> str | None:

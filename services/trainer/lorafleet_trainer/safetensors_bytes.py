@@ -6,22 +6,24 @@ then the data. Equal bytes under the same dtype and shape are equal tensors; met
 
 from __future__ import annotations
 
-import json
-import struct
+import os
 from pathlib import Path
-from typing import Any
+
+from lorafleet.safetensors_header import read_header
 
 METADATA = "__metadata__"
 
 
 def _tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    """Each tensor of the file at `path`: its dtype, shape and bytes."""
-    data = path.read_bytes()
-    (length,) = struct.unpack("<Q", data[:8])
-    header: dict[str, Any] = json.loads(data[8:8 + length])
-    body = data[8 + length:]
+    """Each tensor of the file at `path`: its dtype, shape and bytes (lorafleet.safetensors_header reads the header)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        header = read_header(fd)
+        body = os.pread(fd, header.data_bytes, header.data_start)
+    finally:
+        os.close(fd)
     return {name: (entry["dtype"], tuple(entry["shape"]), body[entry["data_offsets"][0]:entry["data_offsets"][1]])
-            for name, entry in header.items() if name != METADATA}
+            for name, entry in header.entries.items() if name != METADATA}
 
 
 def same_tensors(first: Path, second: Path) -> bool:
