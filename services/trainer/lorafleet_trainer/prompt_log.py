@@ -71,10 +71,17 @@ def stream_breach(final: list[Record], rows: int | None = None) -> Breach | None
     return None
 
 
+def trained(record: Record) -> list[int]:
+    """The line's groups that trained samples: its positions less its stale drops (which took none)."""
+    dropped = set(record["dropped"])
+    return [position for position in record["positions"] if position not in dropped]
+
+
 def rollback_breach(records: list[Record], bound: int) -> Breach | None:
-    """Each start's rolled-back lines repeat at most `bound` groups (resume.rollback_bound, logged at every start)."""
+    """Each start's rolled-back lines repeat at most `bound` trained groups (resume.rollback_bound, logged at every
+    start). Stale drops come on top: a resume generates them again, it never trains them twice."""
     lines = rolled_back(records)
-    per_start = Counter(record["attempt"] for record in lines for _ in record["positions"])
+    per_start = Counter(record["attempt"] for record in lines for _ in trained(record))
     for attempt, repeated in per_start.items():
         if repeated > bound:
             first = next(record for record in lines if record["attempt"] == attempt)

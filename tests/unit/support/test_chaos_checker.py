@@ -51,6 +51,7 @@ class Plan:
     max_staleness: int
     kills: list[tuple[int, bool]]
     rows: int = 5
+    stale_every: int = 0  # every this many steps one more group is dropped as stale (0: never), as in chaos runs
 
 
 @dataclass
@@ -71,23 +72,30 @@ class Run:
         began = EPOCH + 1000 * attempt  # its attempt: after its event=resuming line, before its prompt_stream
         if at:
             self.log.append(stamped(began - 1, f"event=resuming checkpoint=checkpoint-{at} step={at}"))
-        self.log.append(stamped(began + 2, f"event=prompt_stream resume_at={at * plan.groups} skip=0 rows={plan.rows} "
-                                           f"rollback_groups_max={bound}"))
+        self.log.append(stamped(began + 2, f"event=prompt_stream resume_at={self.first_position(at + 1)} skip=0 "
+                                           f"rows={plan.rows} rollback_groups_max={bound}"))
         self.exits.append(-9)
         version = max(self.published, default=0) + 1
         self.published.append(version)  # the cold sync
         offset = self.shift if final else 0
         consumed = {p for line in effective(self.lines) if line["step"] <= at for p in line["positions"]}
         for step in range(at + 1, at + steps + 1):
-            positions = [(step - 1) * plan.groups + g + offset for g in range(plan.groups)]
+            stale = 1 if plan.stale_every and step % plan.stale_every == 0 else 0  # dropped first, then trained
+            positions = [self.first_position(step) + g + offset for g in range(stale + plan.groups)]
             consumed.update(positions)
             head = next(p for p in range(len(consumed) + 1) if p not in consumed)  # as the trainer counts it
             self.lines.append({"step": step, "attempt": began, "policy_version": version, "positions": positions,
-                               "prompts": [p % plan.rows for p in positions], "dropped": [], "next": head})
+                               "prompts": [p % plan.rows for p in positions],
+                               "dropped": [p for p in positions[:stale] for _ in range(GENERATIONS)], "next": head})
             version += 1
             self.published.append(version)
             if step % plan.save_steps == 0 or step == plan.max_steps:
                 self.checkpoints.add(step)
+
+    def first_position(self, step: int) -> int:
+        """The stream position of `step`'s first group: the groups of the steps before it, their stale drops too."""
+        stale = (step - 1) // self.plan.stale_every if self.plan.stale_every else 0
+        return (step - 1) * self.plan.groups + stale
 
     def train(self) -> None:
         at = 0
@@ -109,7 +117,8 @@ class Run:
 def plans() -> st.SearchStrategy[Plan]:
     return st.builds(Plan, max_steps=st.integers(2, 14), save_steps=st.integers(1, 4), groups=st.integers(1, 4),
                      max_staleness=st.integers(1, 4),
-                     kills=st.lists(st.tuples(st.integers(1, 6), st.booleans()), max_size=4))
+                     kills=st.lists(st.tuples(st.integers(1, 6), st.booleans()), max_size=4),
+                     stale_every=st.integers(0, 3))
 
 
 def write(folder: Path, runs: dict[str, Run], seed: int = 7, final_ledger: dict[str, str] | None = None) -> Path:
