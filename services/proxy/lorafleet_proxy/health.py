@@ -109,7 +109,9 @@ class HealthChecks:
             now = time.monotonic()
             replica.slow_since = replica.slow_since or now
             if now - replica.slow_since >= self.settings.proxy_eject_slow_after_s:
-                self.fleet.eject(replica, f"{error} (timing out for {now - replica.slow_since:.0f}s)")
+                # kept on every later timeout too: an operator sees how long an ejected replica has been hanging
+                replica.last_error = f"{error} (timing out for {now - replica.slow_since:.0f}s)"
+                self.fleet.eject(replica, replica.last_error)
         else:
             replica.failures += 1
             if replica.failures >= self.settings.proxy_eject_after:

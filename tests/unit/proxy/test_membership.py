@@ -425,6 +425,8 @@ async def test_8_timeouts_eject_only_after_the_window_refusals_at_once_and_remov
         await asyncio.sleep(0.25)
         await fleet.check(fleet.replicas[R1])
         assert fleet.replicas[R1].state is State.EJECTED
+        await fleet.check(fleet.replicas[R1])  # still hanging: /fleet keeps saying for how long, not a bare timeout
+        assert "timing out for" in (fleet.replicas[R1].last_error or ""), fleet.replicas[R1].last_error
 
         engines[R2].healthy = False
         await fleet.check(fleet.replicas[R2])
