@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -402,14 +403,20 @@ async def test_5_sync_holds_no_lock_during_replica_io_and_checks_a_read_after_it
     assert engines[R1].adapters == {"trl-policy-v1": str(tmp_path / "v1")}, "ready without the ledger's adapter"
 
 
-async def test_5_a_failing_sync_backs_off(fleet: Fleet, engines: dict[str, Engine]) -> None:
-    engines[R1].fail["/server_info"] = 500
-    await check_and_sync(fleet, R1)
-    replica = fleet.replicas[R1]
-    assert replica.state is State.SYNCING and replica.next_sync_at > 0
-    calls = engines[R1].calls.count("/server_info")
-    await check_and_sync(fleet, R1)
-    assert engines[R1].calls.count("/server_info") == calls, "a failing sync was retried without backoff"
+async def test_5_a_failing_sync_backs_off(engines: dict[str, Engine], tmp_path: Path) -> None:
+    # a backoff of 2 × 30 s: the second check comes well inside it on any machine (the fixture's 0.01 s interval
+    # gives 20 ms, which a loaded box can outlast between two checks)
+    fleet = make_fleet(engines, tmp_path, proxy_health_interval_s=30.0)
+    try:
+        engines[R1].fail["/server_info"] = 500
+        await check_and_sync(fleet, R1)
+        replica = fleet.replicas[R1]
+        assert replica.state is State.SYNCING and replica.next_sync_at > time.monotonic()
+        calls = engines[R1].calls.count("/server_info")
+        await check_and_sync(fleet, R1)
+        assert engines[R1].calls.count("/server_info") == calls, "a failing sync was retried without backoff"
+    finally:
+        await fleet.stop()
 
 
 async def test_8_timeouts_eject_only_after_the_window_refusals_at_once_and_removal_releases(
