@@ -240,7 +240,7 @@ def completions_done(urls: list[str]) -> float:
 
 
 async def _unload_policies(urls: list[str]) -> None:
-    from lorafleet_trainer.fleet import sweep_policies
+    from lorafleet_trainer.fleet_preflight import sweep_policies
 
     for url in urls:
         async with VLLMClient(url) as client:

@@ -52,7 +52,7 @@ MODULES = ("torch", "transformers", "peft", "accelerate", "vllm", "vllm.entrypoi
            "orjson", "uvloop", "httpx", "aiohttp", "requests", "prometheus_client", "matplotlib", "pytest",
            "pytest_asyncio", "pytest_timeout", "hypothesis", "gguf", "lorafleet", "lorafleet_ops.commands.cli",
            "lorafleet_ops.processes", "lorafleet_proxy.app", "lorafleet_proxy.main", "lorafleet_vllm.main",
-           "lorafleet_trainer.main", "lorafleet_testing.fleet")
+           "lorafleet_trainer.main", "lorafleet_testing.process_tier")
 SCRIPTS = ("vllm", "lorafleet-replica", "lorafleet-proxy", "lorafleet-train", "lorafleet")
 
 

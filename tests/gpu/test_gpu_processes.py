@@ -14,7 +14,7 @@ What it checks, on the engine a training box runs:
   with the base model for it;
 - the tiny task's reward rises, as it does in the CPU demo.
 
-The harness is the CPU tier's (lorafleet_testing.fleet, the device its parameter; tests/gpu/conftest.py places
+The harness is the CPU tier's (lorafleet_testing.process_tier, the device its parameter; tests/gpu/conftest.py places
 it). Three replicas run at once at most: the session's two and `trio`'s third. Two proxies never front the same
 replicas at once (each would unload the other's adapters): the proxies here are class- or module-scoped, in order.
 `make test-gpu-processes` runs it and writes its log to results/gpu/.
@@ -52,8 +52,8 @@ from lorafleet_proxy.canary import Canary, CanaryAnswer, full_precision, parse_a
 from lorafleet_proxy.canary_tolerance import MIN_SAMPLES
 from lorafleet_proxy.fleet import Fleet as ProxyFleet
 from lorafleet_proxy.metrics import Metrics
-from lorafleet_proxy.replica import State
-from lorafleet_testing.fleet import STARTUP_TIMEOUT_S, FleetDevice, proxy_in_loop, reload_with_other_files
+from lorafleet_proxy.replica_state import State
+from lorafleet_testing.process_tier import STARTUP_TIMEOUT_S, FleetDevice, proxy_in_loop, reload_with_other_files
 from lorafleet_testing.waiting import until
 from prometheus_client.parser import text_string_to_metric_families
 

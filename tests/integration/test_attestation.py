@@ -28,7 +28,7 @@ from lorafleet.vllm_api import PROXY_ATTESTED_AGE_HEADER, PROXY_ATTESTED_HEADER,
 from lorafleet_ops.processes import Service
 from lorafleet_proxy.app import create_app
 from lorafleet_testing.fakes import start_fakes, start_server
-from lorafleet_testing.fleet import proxy_in_loop
+from lorafleet_testing.process_tier import proxy_in_loop
 from lorafleet_testing.waiting import until
 from safetensors.torch import load_file, save_file
 

@@ -30,7 +30,7 @@ from lorafleet.vllm_api import metric_total
 from lorafleet_proxy.app import create_app
 from lorafleet_proxy.fleet import Fleet as ProxyFleet
 from lorafleet_testing.fakes import FakeReplica, Running, start_fakes, start_server, weights_file
-from lorafleet_testing.fleet import reload_with_other_files
+from lorafleet_testing.process_tier import reload_with_other_files
 from lorafleet_testing.waiting import until
 
 pytestmark = pytest.mark.integration

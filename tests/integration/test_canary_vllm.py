@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from lorafleet.vllm_api import metric_total
-from lorafleet_testing.fleet import proxy_in_loop, reload_with_other_files
+from lorafleet_testing.process_tier import proxy_in_loop, reload_with_other_files
 from lorafleet_testing.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.compat]

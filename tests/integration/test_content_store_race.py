@@ -23,7 +23,7 @@ import httpx
 import pytest
 from lorafleet.ledger_format import fingerprint
 from lorafleet_proxy.content_store import ContentStore
-from lorafleet_testing.fleet import proxy_in_loop
+from lorafleet_testing.process_tier import proxy_in_loop
 
 pytestmark = [pytest.mark.integration]
 

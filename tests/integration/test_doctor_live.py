@@ -26,7 +26,7 @@ from lorafleet.vllm_api import VLLMClient
 from lorafleet_ops.commands.doctor import CheckResult, Status, render_table, run_doctor
 from lorafleet_ops.peft_adapter import write_lora_adapter
 from lorafleet_ops.processes import Service, replica_service
-from lorafleet_testing.fleet import stored_at
+from lorafleet_testing.process_tier import stored_at
 
 pytestmark = pytest.mark.integration
 

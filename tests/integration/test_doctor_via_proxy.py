@@ -20,7 +20,7 @@ from lorafleet.settings import load_settings
 from lorafleet_ops.commands.doctor import Status, render_table, run_doctor
 from lorafleet_proxy.app import create_app
 from lorafleet_testing.fakes import FakeReplica, Running, start_server
-from lorafleet_trainer.fleet import doctor_preflight
+from lorafleet_trainer.fleet_preflight import doctor_preflight
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send

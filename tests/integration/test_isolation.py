@@ -24,10 +24,10 @@ import pytest
 from lorafleet.adapters import adapter_dir
 from lorafleet.run_key_store import provision
 from lorafleet.runs import qualify
-from lorafleet_testing.fleet import proxy_in_loop
 from lorafleet_testing.isolation.adversary import Tenant, digests
 from lorafleet_testing.isolation.harness import Attack, attack
 from lorafleet_testing.isolation.tricks import Scene, plan
+from lorafleet_testing.process_tier import proxy_in_loop
 
 pytestmark = [pytest.mark.integration]
 

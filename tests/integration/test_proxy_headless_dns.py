@@ -25,7 +25,7 @@ import httpx
 import pytest
 from lorafleet.vllm_api import VLLMClient
 from lorafleet_ops.processes import Service, proxy_service, wait_healthy
-from lorafleet_testing.fleet import stored_at
+from lorafleet_testing.process_tier import stored_at
 
 pytestmark = pytest.mark.integration
 

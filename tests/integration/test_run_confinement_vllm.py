@@ -23,7 +23,7 @@ from lorafleet.ledger_format import fingerprint
 from lorafleet.run_key_store import provision
 from lorafleet_ops.processes import Service, wait_healthy
 from lorafleet_ops.tiny_model import make_adapter as build_adapter
-from lorafleet_testing.fleet import STARTUP_TIMEOUT_S
+from lorafleet_testing.process_tier import STARTUP_TIMEOUT_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

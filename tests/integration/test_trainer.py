@@ -19,7 +19,7 @@ from lorafleet.ledger_format import fingerprint
 from lorafleet.ratio_outliers import METRICS_KEY, RatioWatch, read_rows, steps
 from lorafleet_ops.commands.status import read_metrics
 from lorafleet_ops.processes import Service
-from lorafleet_testing.fleet import stored_at
+from lorafleet_testing.process_tier import stored_at
 from lorafleet_testing.trainers import finish
 from lorafleet_trainer.provenance import ROLLOUTS_FILE
 from lorafleet_trainer.ratio_by_replica import UNATTRIBUTED_KEY

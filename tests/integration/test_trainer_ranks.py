@@ -24,7 +24,7 @@ from lorafleet.adapters import lora_dir, metrics_path, policy_name, run_dir
 from lorafleet.ratio_outliers import RATIO_FAIL
 from lorafleet_ops.commands.status import read_metrics
 from lorafleet_ops.processes import Service
-from lorafleet_testing.fleet import stored_at
+from lorafleet_testing.process_tier import stored_at
 from lorafleet_testing.trainers import finish
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

@@ -18,11 +18,6 @@ PACKAGE_ROOTS = ("services", "shared", "ops")
 NAMED_ROOTS = (*PACKAGE_ROOTS, "tests/support", "bench")
 # A package's own file, and each service's entry point (`python -m lorafleet_proxy.main`: the package names it).
 SHARED_BY_DESIGN = frozenset({"__init__.py", "main.py"})
-# Clashes left in files other branches own this wave, each to be renamed there; an entry that no longer clashes fails
-# the test below so that it leaves this list too.
-PENDING = {"fleet.py": "lorafleet_proxy.fleet, lorafleet_trainer.fleet and lorafleet_testing.fleet (the shared "
-                        "replicas, imported by every integration branch)",
-           "replica.py": "lorafleet_proxy.replica and lorafleet.settings.replica"}
 PATH_EDIT = re.compile(r"\bsys\.path\s*(\.(insert|append|extend)\s*\(|\[[^\]]*\]\s*=|\s*[+]?=)")
 
 
@@ -52,9 +47,7 @@ def clashes(files: list[Path]) -> dict[str, list[str]]:
 
 def test_no_two_modules_share_a_name() -> None:
     found = clashes(python_files(*NAMED_ROOTS))
-    new = {name: paths for name, paths in found.items() if name not in PENDING}
-    assert not new, f"modules sharing a name (rename one after its job): {new}"
-    assert not set(PENDING) - set(found), f"renamed: drop from PENDING {sorted(set(PENDING) - set(found))}"
+    assert not found, f"modules sharing a name (rename one after its job): {found}"
 
 
 def test_a_planted_twin_is_found() -> None:

@@ -18,7 +18,7 @@ from lorafleet.vllm_api import VLLMError, VLLMUnreachable
 from lorafleet.vllm_compat import admission as vllm_admission
 
 from .metrics import Metrics
-from .replica import Replica, State
+from .replica_state import Replica, State
 from .router import Router
 from .sync import SyncFleet, catch_up
 

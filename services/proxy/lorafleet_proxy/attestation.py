@@ -27,8 +27,8 @@ from lorafleet.vllm_api import VLLMError, VLLMUnreachable
 
 from .epoch import Broadcasts, unchanged_since
 from .metrics import Metrics
-from .replica import Attestation as Seen
-from .replica import Replica
+from .replica_state import Attestation as Seen
+from .replica_state import Replica
 
 
 class AttestedFleet(Broadcasts, Protocol):

@@ -15,7 +15,7 @@ from lorafleet.settings import ProxySettings
 
 from .admission import backoff_s
 from .metrics import Metrics
-from .replica import Replica, State
+from .replica_state import Replica, State
 
 
 class BreakerFleet(Protocol):

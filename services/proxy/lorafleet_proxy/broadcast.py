@@ -27,7 +27,7 @@ from lorafleet.vllm_api import VLLMError, VLLMUnreachable
 from .canary import Key
 from .content_store import ContentError, ContentStore, NoAdapter, Stored
 from .errors import FleetStates, adapter_not_found, error, ledger_failed, no_ready_replica, rebuilding, relay
-from .replica import Replica, State
+from .replica_state import Replica, State
 from .sync import load_until, retry_until
 
 log = logging.getLogger("lorafleet.proxy.broadcast")

@@ -23,7 +23,7 @@ from .canary import BASE_SUBJECT, Canary, CanaryAnswer, Key, describe, full_prec
 from .epoch import Broadcasts, unchanged_since
 from .ledger import Ledger
 from .metrics import Metrics
-from .replica import Replica, State
+from .replica_state import Replica, State
 
 
 class CanaryFleet(Broadcasts, Protocol):

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from lorafleet.vllm_api import VLLMError, error_body
 
-from .replica import Replica
+from .replica_state import Replica
 
 MAX_REPORTED_ERRORS = 5
 MAX_ERROR_CHARS = 300

@@ -39,7 +39,7 @@ from .discovery import resolve
 from .health import HealthChecks
 from .ledger import Ledger, LedgerWriteError
 from .metrics import Metrics
-from .replica import Failure, Replica, State, upstream_pool
+from .replica_state import Failure, Replica, State, upstream_pool
 from .router import Router
 
 log = logging.getLogger("lorafleet.proxy.fleet")

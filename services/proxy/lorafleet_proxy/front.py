@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .errors import bad_request, error, model_not_found, no_ready_replica, not_held_yet
 from .fleet import Fleet
 from .metrics import Metrics
-from .replica import Failure, Replica
+from .replica_state import Failure, Replica
 from .request import RelayedRequest
 from .router import BadPrompt, Prompt, Router
 from .runs import NameMap, RunKeyRefused, Runs, Turn

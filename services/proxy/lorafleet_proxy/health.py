@@ -23,7 +23,7 @@ from .epoch import Broadcasts, unchanged_since
 from .ledger import Ledger
 from .ledger_rebuild import rebuild_ledger
 from .metrics import Metrics
-from .replica import Failure, Replica, State
+from .replica_state import Failure, Replica, State
 from .sync import mismatch
 
 

@@ -17,7 +17,7 @@ from lorafleet.runs import run_of
 
 from .ledger import Ledger, LedgerWriteError
 from .metrics import Metrics
-from .replica import Failure, Replica
+from .replica_state import Failure, Replica
 
 log = logging.getLogger("lorafleet.proxy.fleet")
 

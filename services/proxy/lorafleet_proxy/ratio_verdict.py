@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from .replica import Replica, State
+from .replica_state import Replica, State
 
 log = logging.getLogger("lorafleet.proxy.fleet")
 

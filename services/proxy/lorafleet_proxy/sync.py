@@ -23,7 +23,7 @@ from typing import Protocol, TypeVar
 from lorafleet.ledger_format import Entry
 from lorafleet.vllm_api import VLLMClient, VLLMError
 
-from .replica import Replica
+from .replica_state import Replica
 
 
 class SyncFleet(Protocol):

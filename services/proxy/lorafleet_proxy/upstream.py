@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from .replica import KEEPALIVE_EXPIRY_S
+from .replica_state import KEEPALIVE_EXPIRY_S
 
 log = logging.getLogger("lorafleet.proxy.front")  # the front's pools: their events keep the front's logger
 

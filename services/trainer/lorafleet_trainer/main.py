@@ -182,7 +182,7 @@ def configure_run(settings: TrainerSettings, plan: RankPlan, checked: Checked) -
 def ready_fleet(settings: TrainerSettings, configs: TrainerConfigs, checked: Checked, run_key: str) -> list[str]:
     """The fleet registered, preflighted and swept of stale policy names (rank 0); returns the swept names. A stop
     before or during it, or a refusal, ends the start."""
-    from lorafleet_trainer.fleet import PreflightError, StopRequested, prepare_fleet
+    from lorafleet_trainer.fleet_preflight import PreflightError, StopRequested, prepare_fleet
 
     if stopped_before_training(checked.stops, checked.resume_from):
         raise StartEnded(0)

@@ -1,9 +1,9 @@
 """The trainer's one description of the proxy it talks to: the URL (TRAINER_VLLM_URL, the run's `/runs/<run>` prefix
 included), the run's bearer key, and the statuses the proxy answers when it did nothing (safe to send again).
 
-Every call the trainer makes to the proxy gets its URL and headers here: the start-up checks and sweep (`control`,
-fleet.py), TRL's control calls (resilience.py's session), the rollout child's session (fleet_rollouts.py), the eval
-passes (`http`, evaluation.py) and the ratio reports (`post`, ratio_report.py).
+Every call the trainer makes to the proxy gets its URL and headers here: the start-up checks and sweep
+(`control`, fleet_preflight.py), TRL's control calls (resilience.py's session), the rollout child's session
+(fleet_rollouts.py), the eval passes (`http`, evaluation.py) and the ratio reports (`post`, ratio_report.py).
 """
 
 from __future__ import annotations

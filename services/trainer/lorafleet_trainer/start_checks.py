@@ -18,7 +18,7 @@ from lorafleet.settings import TrainerSettings
 from lorafleet.vllm_api import VLLMError
 
 from lorafleet_trainer.checkpoints import Checkpoint, final_adapter_from, newest_checkpoint
-from lorafleet_trainer.fleet import PreflightError, StopRequested, fleet_size
+from lorafleet_trainer.fleet_preflight import PreflightError, StopRequested, fleet_size
 from lorafleet_trainer.stops import Limits, StopDecision
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Faults planted into a real vLLM replica's engine from outside, for the attestation tests (never in an image).
 
-The test replicas name `PlantedFaults` as their `--worker-extension-cls` (fleet.py's `replica_env`): it is the
+The test replicas name `PlantedFaults` as their `--worker-extension-cls` (process_tier.py's `replica_env`): it is the
 product's extension (lorafleet_vllm.lora_identity.LoraIdentity) plus methods a test calls directly on one replica
 through `POST /collective_rpc` (args are strings, as vLLM passes them). Each reproduces a reported failure in the
 engine's own state, where nothing outside the engine can see it:

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 from lorafleet.settings import ConfigError, StackSettings, load_settings
-from lorafleet_trainer import fleet
-from lorafleet_trainer.fleet import fleet_size, prepare_fleet
+from lorafleet_trainer import fleet_preflight
+from lorafleet_trainer.fleet_preflight import fleet_size, prepare_fleet
 from lorafleet_trainer.main import main
 from lorafleet_trainer.proxy_client import ProxyClient
 from lorafleet_trainer.resilience import retry_control_calls, retrying_session
@@ -148,7 +148,7 @@ def test_a_dry_run_logs_which_key_file_is_used_but_never_the_key(
     assert KEY not in err
 
 
-# --- (a) lorafleet's VLLMClient (fleet.py) -----------------------------------------------------------------------
+# --- (a) lorafleet's VLLMClient (fleet_preflight.py) -------------------------------------------------------------
 
 @WITH_AND_WITHOUT_KEY
 async def test_fleet_size_sends_the_run_key(server: RecordingServer, key: str, expected: str | None) -> None:
@@ -165,7 +165,7 @@ async def test_every_preparing_call_sends_the_run_key(server: RecordingServer, m
     async def no_doctor(settings: StackSettings, lora_config: Any) -> None:  # it reads the key file itself (its tests)
         pass
 
-    monkeypatch.setattr(fleet, "doctor_preflight", no_doctor)
+    monkeypatch.setattr(fleet_preflight, "doctor_preflight", no_doctor)
     server.answers.update({
         f"{RUN}/register": {"slots": 6, "budget": {"capacity": 12}},
         f"{RUN}/server_info": {"vllm_config": {
@@ -347,7 +347,7 @@ def test_a_trl_without_the_hooks_is_a_config_error_naming_the_variable(monkeypat
 async def test_a_refused_key_ends_the_wait_for_the_fleet_at_once() -> None:
     """A 401/403 from the fleet is an answer, not an outage: the trainer says so at once instead of waiting."""
     from lorafleet.vllm_api import VLLMClient, error_body
-    from lorafleet_trainer.fleet import PreflightError, wait_healthy
+    from lorafleet_trainer.fleet_preflight import PreflightError, wait_healthy
 
     calls: list[httpx.Request] = []
 

@@ -1,7 +1,7 @@
 """The trainer's gate before it trains: the doctor's whole checklist against the fleet, any FAIL refuses the start.
 
 The trainer imports nothing of the operations package: it finds this function by name, through the entry point
-`lorafleet.preflight: doctor` that the ops distribution registers (lorafleet_trainer.fleet.doctor_preflight).
+`lorafleet.preflight: doctor` that the ops distribution registers (lorafleet_trainer.fleet_preflight.doctor_preflight).
 
 The one exception is `ratio`: it judges the run's past (metrics.jsonl), so a FAIL there is logged loudly but does
 not block resuming once the fleet itself passes. A run checks the fleet itself (the proxy's own URL), and probes it
@@ -32,7 +32,7 @@ from lorafleet_ops.commands.doctor.model import Status
 from lorafleet_ops.commands.doctor.render import render_table
 from lorafleet_ops.commands.doctor.runner import failed, run_doctor
 
-log = logging.getLogger("lorafleet_trainer.fleet")  # the trainer's log: these lines are the trainer's start
+log = logging.getLogger("lorafleet_trainer.fleet_preflight")  # the trainer's log: these lines are the trainer's start
 
 
 def stack_view(settings: TrainerSettings) -> StackSettings:

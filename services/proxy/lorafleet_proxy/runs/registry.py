@@ -26,7 +26,7 @@ from starlette.types import Scope
 from ..auth import on_public_port
 from ..errors import error, ledger_failed
 from ..metrics import Metrics
-from ..replica import Replica
+from ..replica_state import Replica
 from .budget import SlotBudget
 from .confinement import OutsideRunFolder, confine_load, load_folders
 from .fairshare import FairShare, Ticket, estimate_tokens, prompt_tokens

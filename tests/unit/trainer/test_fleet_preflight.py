@@ -8,7 +8,7 @@ import httpx
 import pytest
 from lorafleet.settings import load_settings
 from lorafleet.vllm_api import VLLMClient, error_body
-from lorafleet_trainer.fleet import (
+from lorafleet_trainer.fleet_preflight import (
     PreflightError,
     check_adapter_sync,
     count_replicas,
@@ -168,7 +168,7 @@ async def test_a_run_the_budget_refuses_stops_the_trainer_with_the_proxys_reason
 async def test_a_proxy_gone_during_the_start_up_checks_is_waited_for_and_the_checks_run_again(monkeypatch, gone):
     """The chaos run's finding: a proxy killed while a trainer ran its start-up checks ended that start refused
     (exit 3). Each check is idempotent, so they are made again once the fleet answers; a refusal stays final."""
-    from lorafleet_trainer import fleet as trainer_fleet
+    from lorafleet_trainer import fleet_preflight as trainer_fleet
 
     seen: list[str] = []
     url = "http://proxy:8000/runs/b"
