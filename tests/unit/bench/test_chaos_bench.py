@@ -7,7 +7,7 @@ import argparse
 import pytest
 from chaos import form_from, main, options
 from lorafleet_testing.chaos.judge import Report, Violation, render
-from lorafleet_testing.chaos.trial import FORMS, Form, ci_form
+from lorafleet_testing.chaos.trial import FORMS, ci_form
 
 
 def args(*argv: str) -> argparse.Namespace:
@@ -39,4 +39,3 @@ def test_a_named_form_and_the_long_form_together_are_refused(capsys: pytest.Capt
     with pytest.raises(SystemExit) as exited:
         main(["--form", "ci", "--minutes", "5"])
     assert exited.value.code == 2 and "--form" in capsys.readouterr().err
-    assert Form(seed=1).replay == "make chaos SEED=1"
