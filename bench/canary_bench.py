@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 from lorafleet.adapters import adapter_dir
 from lorafleet.settings import StackSettings
-from lorafleet.vllm_api import metric_total
+from lorafleet.vllm_api import metric_total, replica_limits
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import Service, proxy_service, replica_service, wait_healthy
 from lorafleet_ops.tiny_model import make_adapter, make_tiny_model
@@ -69,7 +69,7 @@ async def sampler(replicas: list[str], subjects: dict[str, str], end: float, eve
                   canary: Canary, tolerance: float) -> list[dict[str, Any]]:
     """The canary's probe straight to both replicas at once, for every subject, every `every_s`."""
     samples: list[dict[str, Any]] = []
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(timeout=120, limits=replica_limits()) as http:
         while time.monotonic() < end:
             started = time.monotonic()
             answers: dict[str, dict[str, CanaryAnswer]] = {}

@@ -41,6 +41,7 @@ from typing import Any
 
 import httpx
 from lorafleet.settings import StackSettings
+from lorafleet.vllm_api import replica_limits
 from lorafleet_ops.base_model import prepare
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.peft_adapter import write_lora_adapter
@@ -90,12 +91,20 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 async def traffic(url: str, models: list[str], end: float, max_tokens: int, seed: int, counts: dict[str, int]) -> None:
+    """One closed-loop client until `end`. It is only the load under the probes: a request that fails (an error
+    answer or none) is counted in the result's traffic and the client goes on; the probes themselves fail the run."""
     rng = random.Random(seed)
-    async with httpx.AsyncClient(timeout=300) as http:
+    async with httpx.AsyncClient(timeout=300, limits=replica_limits()) as http:
         while time.monotonic() < end:
             prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 64)))
             body = {"model": rng.choice(models), "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0}
-            answer = await http.post(url + "/v1/completions", json=body)
+            try:
+                answer = await http.post(url + "/v1/completions", json=body)
+            except httpx.TransportError as exc:
+                counts["failed"] += 1
+                print(f"canary_noise: traffic to {url} got no answer ({type(exc).__name__}: {exc})", flush=True)
+                await asyncio.sleep(0.5)
+                continue
             counts["ok" if answer.status_code == 200 else "failed"] += 1
 
 
@@ -120,7 +129,7 @@ def scored(canary: Canary, forced: bool) -> int:
 async def measure(args: argparse.Namespace, urls: list[str], models: dict[str, str], base: str) -> dict[str, Any]:
     canary = Canary(StackSettings(_env_file=None), Metrics())
     forced = not full_precision([args.dtype])
-    async with httpx.AsyncClient(timeout=300) as http:
+    async with httpx.AsyncClient(timeout=300, limits=replica_limits()) as http:
         alone = await probe_round(http, canary, urls[:1], models, forced)  # before any traffic: each answer alone
         counts = {"ok": 0, "failed": 0}
         end = time.monotonic() + args.seconds

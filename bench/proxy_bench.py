@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 from lorafleet.ports import free_port
+from lorafleet.vllm_api import replica_limits
 from lorafleet_ops.docsite.record import RECORD_KEY, run_record, write_result
 from lorafleet_ops.processes import script
 from lorafleet_proxy.router import Router
@@ -69,8 +70,7 @@ async def run_trace(base_urls: list[str], prompts: list[list[int]], args: argpar
     latencies: list[float] = []
     errors = 0
     version = {"n": 0}
-    limits = httpx.Limits(max_connections=args.inflight + 8, max_keepalive_connections=args.inflight + 8,
-                          keepalive_expiry=2.0)
+    limits = replica_limits(max_connections=args.inflight + 8, max_keepalive_connections=args.inflight + 8)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
 
         async def sync() -> None:

@@ -97,15 +97,24 @@ step_bench() {  # $1: OUT/STEP, $2: the parts
 models="tiny smollm2-135m"  # the canary noise's models (`ci`: the tiny one)
 
 step_canary_noise() {
-  local dest=$1 rc=0 model seconds
+  local dest=$1 rc=0 model seconds model_rc log
   local cuda=()
   seconds=45  # on the GPU: about 20 probe rounds under traffic per model, both models inside one call
   if [ "$device" = gpu ]; then cuda=(--device cuda --eager); else seconds=20; fi
   for model in $models; do
+    model_rc=0
     "$python" bench/canary_noise.py "${cuda[@]}" --model "$model" --seconds "$seconds" \
       --work "results/canary-noise-$model" --out "$dest/bench-canary-noise-$device-$model.json" 2>&1 \
-      | tail -n 40 >"$dest/canary-noise-$model.log" || rc=$?
-    tail -n 3 "$dest/canary-noise-$model.log"
+      | tail -n 40 >"$dest/canary-noise-$model.log" || model_rc=$?
+    if [ "$model_rc" -eq 0 ]; then
+      tail -n 3 "$dest/canary-noise-$model.log"
+    else  # the whole traceback and each replica's last words: a CI log is all a failure there leaves
+      rc=$model_rc
+      cat "$dest/canary-noise-$model.log"
+      for log in results/canary-noise-"$model"/logs/*; do
+        if [ -f "$log" ]; then echo "--- $log (last 20 lines)"; tail -n 20 "$log"; fi
+      done
+    fi
   done
   pack "$dest" results/canary-noise-tiny/logs results/canary-noise-smollm2-135m/logs
   return "$rc"

@@ -26,6 +26,17 @@ PROXY_FINGERPRINT_HEADER = "X-Lorafleet-Fingerprint"
 # the digest of the weights it held under that name at its last attestation, and that attestation's age in seconds.
 PROXY_ATTESTED_HEADER = "X-Lorafleet-Attested"
 PROXY_ATTESTED_AGE_HEADER = "X-Lorafleet-Attested-Age"
+# vLLM's HTTP server (uvicorn) closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), counted from when it
+# sent its answer. A client that keeps an idle connection as long (httpx's default expiry is 5 s too, counted from
+# when it read the answer) can send a request on it just as the server closes it: the request fails with a reset
+# (httpx.ReadError), more often on a loaded machine. Every client of a replica lets idle connections go sooner.
+REPLICA_KEEPALIVE_EXPIRY_S = 2.0
+
+
+def replica_limits(**limits: int | None) -> httpx.Limits:
+    """httpx limits for a client of a vLLM replica: `limits` (max_connections, max_keepalive_connections, unbounded
+    when not given), idle connections let go before the replica closes them."""
+    return httpx.Limits(**limits, keepalive_expiry=REPLICA_KEEPALIVE_EXPIRY_S)
 
 
 class VLLMError(Exception):

@@ -20,12 +20,9 @@ from typing import Literal
 
 import httpx
 from lorafleet.ledger_format import Entry
-from lorafleet.vllm_api import ServerInfo, VLLMClient
+from lorafleet.vllm_api import ServerInfo, VLLMClient, replica_limits
 from lorafleet.vllm_compat import Capabilities
 
-# Idle connections expire before vLLM's (uvicorn's) 5 s keep-alive does: reusing one the server is
-# closing at that very moment would fail the request.
-KEEPALIVE_EXPIRY_S = 2.0
 # The parts of a replica's /server_info that GET /fleet repeats (system_env, a pip listing, is left out).
 SERVER_INFO_KEPT = ("vllm_config", "vllm_env")
 # How a replica failed a check or a routed call: refused (or reset: it died), timed out (it may only be busy), a bad
@@ -61,7 +58,7 @@ class State(StrEnum):
 
 def upstream_pool(transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
     """One connection pool per replica: httpx scans its whole pool for every request, so pools stay small."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    limits = replica_limits(max_connections=None, max_keepalive_connections=512)
     return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(30.0, connect=5.0), limits=limits)
 
 

@@ -31,8 +31,7 @@ from collections.abc import AsyncIterator, Iterable
 from urllib.parse import urlsplit
 
 import httptools
-
-from .replica_state import KEEPALIVE_EXPIRY_S
+from lorafleet.vllm_api import REPLICA_KEEPALIVE_EXPIRY_S
 
 log = logging.getLogger("lorafleet.proxy.front")  # the front's pools: their events keep the front's logger
 
@@ -379,7 +378,7 @@ class Upstreams:
             for gone in set(self.pools) - set(members):
                 self.pools.pop(gone).close()
             pool = self.pools[url] = Pool(url, self.headers, PASSED_RESPONSE_HEADERS, CONNECT_TIMEOUT_S,
-                                          self.read_timeout_s, KEEPALIVE_EXPIRY_S)
+                                          self.read_timeout_s, REPLICA_KEEPALIVE_EXPIRY_S)
         return pool
 
     def abandon(self, url: str, reason: str) -> None:

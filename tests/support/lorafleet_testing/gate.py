@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import httpx
 import uvicorn
 from lorafleet.ports import free_port
+from lorafleet.vllm_api import replica_limits
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -42,7 +43,7 @@ class LoadGate:
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         self._loop, self._release = asyncio.get_running_loop(), asyncio.Event()
-        async with httpx.AsyncClient(timeout=None) as self._client:
+        async with httpx.AsyncClient(timeout=None, limits=replica_limits()) as self._client:
             yield
 
     async def _relay(self, request: Request) -> Response:

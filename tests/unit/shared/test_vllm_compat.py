@@ -10,7 +10,7 @@ import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from lorafleet.vllm_api import VLLMClient
+from lorafleet.vllm_api import REPLICA_KEEPALIVE_EXPIRY_S, VLLMClient, replica_limits
 from lorafleet.vllm_compat import (
     COMPLETION_FIELDS,
     FEATURES,
@@ -144,6 +144,20 @@ def test_older_than_the_range_is_refused_newer_is_admitted_with_a_warning(releas
 def test_no_openapi_document_is_refused_naming_the_flag_that_removes_it() -> None:
     refusal = Capabilities.parse("0.31.0", None).refusal()
     assert refusal is not None and "/openapi.json" in refusal and "--disable-fastapi-docs" in refusal
+
+
+
+def test_a_replica_client_lets_idle_connections_go_well_before_the_installed_vllm_closes_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection the replica closes just as a client reuses it fails the request (a reset): every client of a
+    replica (the proxy's pools, the benches, the test relays) uses replica_limits, whose expiry must stay well inside
+    the keep-alive the installed vLLM gives its HTTP server."""
+    monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    import vllm.envs
+
+    assert replica_limits().keepalive_expiry == REPLICA_KEEPALIVE_EXPIRY_S
+    assert replica_limits(max_connections=3).max_connections == 3
+    assert REPLICA_KEEPALIVE_EXPIRY_S <= vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE / 2
 
 
 # --- admission over HTTP -----------------------------------------------------------------------------------------
