@@ -62,7 +62,9 @@ pack() {
 
 step_stage() {
   [ "$device" = gpu ] || { echo "stage: GPU only (CPU uses make setup's .venv)"; return 0; }
-  python3 ".gpu/c$chunk/stage_gpu.py" install ".gpu/c$chunk" "$prefix" | tee "$1/stage-$chunk.log"
+  # The checkout's own stage_gpu.py, not the chunk's copy: a chunk packed before a change to the tool (a renamed
+  # module in its check list) would otherwise fail its check on the card.
+  python3 tools/stage_gpu.py install ".gpu/c$chunk" "$prefix" | tee "$1/stage-$chunk.log"
 }
 
 step_tier() {
