@@ -29,8 +29,9 @@ PROXY_ATTESTED_AGE_HEADER = "X-Lorafleet-Attested-Age"
 # vLLM's HTTP server (uvicorn) closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), counted from when it
 # sent its answer. A client that keeps an idle connection as long (httpx's default expiry is 5 s too, counted from
 # when it read the answer) can send a request on it just as the server closes it: the request fails with a reset
-# (httpx.ReadError). Rare (none in 560 reuses at 5 s idle in a trial), but never needed: every client of a replica
-# lets idle connections go sooner.
+# (httpx.ReadError). Rare (none in 560 reuses at 5 s idle in a trial), but never needed: the clients that leave
+# connections to a replica idle between uses (the proxy's pools, the canary benches' probes, the test relay) let them
+# go sooner.
 REPLICA_KEEPALIVE_EXPIRY_S = 2.0
 
 

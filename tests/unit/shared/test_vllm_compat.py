@@ -146,12 +146,11 @@ def test_no_openapi_document_is_refused_naming_the_flag_that_removes_it() -> Non
     assert refusal is not None and "/openapi.json" in refusal and "--disable-fastapi-docs" in refusal
 
 
-
 def test_a_replica_client_lets_idle_connections_go_well_before_the_installed_vllm_closes_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A connection the replica closes just as a client reuses it fails the request (a reset): every client of a
-    replica (the proxy's pools, the benches, the test relays) uses replica_limits, whose expiry must stay well inside
-    the keep-alive the installed vLLM gives its HTTP server."""
+    """A connection the replica closes just as a client reuses it fails the request (a reset): the clients that leave
+    connections to a replica idle (the proxy's pools, the canary benches' probes, the test relay) use replica_limits,
+    whose expiry must stay well inside the keep-alive the installed vLLM gives its HTTP server."""
     monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
     import vllm.envs
 
