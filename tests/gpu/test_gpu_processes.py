@@ -261,14 +261,17 @@ class TestServing:
 
 # --- the agreement canary, with the proxy in this process (its rounds run when the test says) ------------------
 class TestCanary:
-    """The real proxy app in this process, its periodic canary off: `canary_round()` is one check, run by the test."""
+    """The real proxy app in this process, its periodic canary and attestation rounds off: `canary_round()` is one
+    check, run by the test. A periodic attestation round landing between a fault and that check would take the replica
+    out first (attestation sees the same faults from inside the engine; test_attestation.py proves it)."""
 
     @pytest.fixture(scope="class")
     async def canary(self, trio: list[Service],
                      adapter_root: Path) -> AsyncIterator[tuple[httpx.AsyncClient, ProxyFleet, Path]]:
         root = adapter_root / "canary"
         async with proxy_in_loop(trio, root, proxy_health_interval_s=0.5, proxy_canary_interval_s=0,
-                                 proxy_lora_load_timeout_s=120, proxy_sync_backoff_max_s=2) as (http, app):
+                                 proxy_attest_interval_s=0, proxy_lora_load_timeout_s=120,
+                                 proxy_sync_backoff_max_s=2) as (http, app):
             yield http, app.state.fleet, root
 
     async def test_no_false_alarm_over_syncs_under_batch_traffic(

@@ -265,17 +265,22 @@ async def proxy_in_loop(replicas: list[Service], root: Path,
 
 
 async def reload_with_other_files(replica_url: str, name: str, other: Path) -> None:
-    """Behind the proxy's back: the replica at `replica_url` reloads `name` from the folder it holds it at (the proxy's
-    content-store folder) while that folder holds `other`'s files, then the right files are put back. The ledger cannot
-    see it (same name, same path): only the canary can."""
+    """Behind the proxy's back: the replica at `replica_url` reloads `name` in place from the folder it holds it at (the
+    proxy's content-store folder) while that folder holds `other`'s files, then the right files are put back. The
+    ledger cannot see it (same name, same path): only the canary and attestation can.
+
+    In place (`load_inplace`), never an unload then a load: between those the replica would list no `name`, and a
+    health check landing there (every 0.5 s in the tests; the window grows on a loaded machine) re-syncs it from the
+    right files before the canary looks. The prefix cache is reset, as a real swap of weights would leave it: blocks
+    computed with the right weights under the same adapter id would otherwise serve the probe's prompt."""
     async with VLLMClient(replica_url) as direct:
         path = Path((await direct.loaded_adapters())[name])
         aside = path.with_name(path.name + ".aside")
-        await direct.unload_lora_adapter(name)
         path.rename(aside)
         other.rename(path)
         try:
-            await direct.load_lora_adapter(name, str(path))
+            await direct.load_lora_adapter(name, str(path), load_inplace=True)
+            await direct.reset_prefix_cache()
         finally:
             path.rename(other)
             aside.rename(path)
