@@ -1,12 +1,18 @@
 """One log format for every lorafleet service: a timestamp, level, service and event, then key=value fields.
 
 `docker compose logs` interleaves services; logfmt lines stay readable at 3 a.m. and greppable
-(`grep 'event=load_failed'`). Pass fields with `extra={"fields": {...}}` or use `log_event`.
+(`grep 'event=load_failed'`). Pass fields with `extra={"fields": {...}}` or use `log_event`. A proxy or trainer that
+seems stuck shows where without being stopped: SIGUSR1 writes every thread's stack to its log (`kill -USR1 <pid>`,
+`docker compose kill -s USR1 trainer`). Not a replica: `lorafleet-replica` execs vLLM, for which SIGUSR1 is fatal.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import io
 import logging
+import signal
 import sys
 import time
 from typing import Any
@@ -41,7 +47,10 @@ class LogfmtFormatter(logging.Formatter):
 
 def configure(service: str, level: str = "INFO", *, loggers: tuple[str, ...] = (),
               fields: dict[str, Any] | None = None) -> None:
-    """Send lorafleet's logs (and those of `loggers`, e.g. "trl") to stderr in logfmt, `fields` on every line."""
+    """Send lorafleet's logs (and those of `loggers`, e.g. "trl") to stderr in logfmt, `fields` on every line;
+    SIGUSR1 dumps every thread's stack there."""
+    with contextlib.suppress(io.UnsupportedOperation, ValueError):  # a stderr with no descriptor (captured): no dumps
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr.fileno(), all_threads=True)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(LogfmtFormatter(service, fields))
     for name in ("lorafleet", f"lorafleet_{service}", *loggers):

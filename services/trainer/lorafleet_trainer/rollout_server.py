@@ -16,6 +16,7 @@ the trainer imports its own, and at train begin the child is forked from it, rea
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import signal
@@ -51,6 +52,7 @@ class ShieldedProcess(ForkServerProcess):
 
     def run(self) -> None:
         die_with_parent(os.getppid())  # the server
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # its stacks on demand, as the trainer's (logs.py)
         trainer = multiprocessing.parent_process()
         if trainer is not None and not trainer.is_alive():  # it died before the server's death could reach us
             os._exit(1)

@@ -21,6 +21,7 @@ from lorafleet_testing.chaos.judge import (
     INVARIANTS,
     MANIFEST,
     OBSERVED,
+    TAIL_LINES,
     Report,
     check_folder,
     render,
@@ -200,6 +201,10 @@ def _violated(folder: Path, invariant: str) -> Any:
     text = render(report)
     assert "seed=7" in text and "make chaos SEED=7" in text and '"kind": "sigkill"' in text
     assert f"VIOLATION {invariant}" in text and "first bad record" in text
+    if violation.run:  # and the end of that run's log, where it stood (or, short at the deadline, its stacks)
+        tail = report.tails[violation.run]
+        assert f"the end of run {violation.run}'s trainer log ({len(tail)} lines)" in text
+        assert all(f"  {line}" in text for line in tail) and len(tail) <= TAIL_LINES
     return violation.record
 
 

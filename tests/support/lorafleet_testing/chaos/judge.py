@@ -57,6 +57,7 @@ OBSERVED = "observed.jsonl"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 FINISHED = re.compile(r"event=finished steps=(\d+)")
 ROLLBACK_BOUND = re.compile(r"event=prompt_stream .*rollback_groups_max=(\d+)")
+TAIL_LINES = 120  # a stack dump of every thread (trial.py) and the lines before it
 
 INVARIANTS = (
     "finished",  # every run reached MAX_STEPS, and its last start exited 0
@@ -101,6 +102,7 @@ class Report:
     violations: list[Violation] = field(default_factory=list)
     provenance: ProvenanceTally = field(default_factory=ProvenanceTally)
     replay: str = ""  # the command that replays the form (the manifest's; older folders have none)
+    tails: dict[str, list[str]] = field(default_factory=dict)  # per run with a violation: the end of its log
 
     @property
     def ok(self) -> bool:
@@ -122,7 +124,19 @@ def check_folder(folder: Path) -> Report:
                 if observed_path.exists() else [])
     report = check(folder / ADAPTERS, runs, observed, manifest.get("seed"), manifest.get("schedule", []))
     report.replay = manifest.get("replay", "")
+    report.tails = {run: log_tail(spec.log) for run, spec in runs.items()
+                    if any(violation.run == run for violation in report.violations)}
     return report
+
+
+def log_tail(log: str, lines: int = TAIL_LINES) -> list[str]:
+    """The last `lines` lines of a trainer's log, a line repeated at once kept once (retries repeat theirs): with
+    the stacks a run short of its steps wrote at the deadline (trial.py), where it waited."""
+    kept: list[str] = []
+    for line in log.splitlines():
+        if not kept or line != kept[-1]:
+            kept.append(line)
+    return kept[-lines:]
 
 
 def check(adapter_root: Path, runs: dict[str, RunSpec], observed: list[dict[str, Any]], seed: int | None = None,
@@ -258,6 +272,9 @@ def render(report: Report) -> str:
         if (violation := report.first(invariant)) is not None:
             lines.append(f"VIOLATION {invariant} run={violation.run or '-'}: {violation.reason}")
             lines.append(f"  first bad record: {json.dumps(violation.record, default=str)}")
+    for run, tail in report.tails.items():
+        lines.append(f"the end of run {run}'s trainer log ({len(tail)} lines):")
+        lines += [f"  {line}" for line in tail]
     return "\n".join(lines)
 
 

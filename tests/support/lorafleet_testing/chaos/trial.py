@@ -7,8 +7,11 @@ harness believed. The tiny model and task train (the integration tier's), each r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -116,6 +119,8 @@ def chaos(form: Form, folder: Path, replicas: list[Service], model: Path,
         deadline = started + form.timeout_s
         while not all(trainer.finished for trainer in trainers.values()) and time.monotonic() < deadline:
             time.sleep(1.0)
+        if time.monotonic() >= deadline:  # runs short of their steps: where each one waits goes into its log
+            _dump_stacks([trainer for trainer in trainers.values() if not trainer.finished] + [services["proxy"]])
         done.set()
         thread.join(timeout=form.max_hold_s + 30)
         for relay in relays.values():
@@ -140,6 +145,32 @@ def chaos(form: Form, folder: Path, replicas: list[Service], model: Path,
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
     report = check_folder(folder)
     return report, summary(form, report, nemesis.applied, services, time.monotonic() - started)
+
+
+def _dump_stacks(stuck: list[Supervised]) -> None:
+    """Each process of `stuck` (trainers, the proxy: their process groups) that catches SIGUSR1 writes every thread's
+    stack to its log (lorafleet.logs; a trainer's rollout child too) before it is stopped: the checker's report quotes
+    a short run's log tail. The others (a fork server, multiprocessing's resource tracker) would die of it."""
+    for each in stuck:
+        if each.service.alive:
+            for pid in _catching(each.service.pid, signal.SIGUSR1):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+    time.sleep(2.0)
+
+
+def _catching(group: int, sig: signal.Signals) -> list[int]:
+    """The processes of process group `group` with a handler for `sig` (bit sig - 1 of SigCgt in /proc/PID/status)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, StopIteration):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != group:  # after the name: state, ppid, pgrp
+                continue
+            status = (stat.parent / "status").read_text().splitlines()
+            caught = int(next(line.split()[1] for line in status if line.startswith("SigCgt:")), 16)
+            if caught >> (sig - 1) & 1:
+                found.append(int(stat.parent.name))
+    return found
 
 
 def _progress(root: Path, runs: tuple[str, ...]) -> Callable[[], int]:
