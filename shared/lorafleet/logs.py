@@ -49,8 +49,7 @@ def configure(service: str, level: str = "INFO", *, loggers: tuple[str, ...] = (
               fields: dict[str, Any] | None = None) -> None:
     """Send lorafleet's logs (and those of `loggers`, e.g. "trl") to stderr in logfmt, `fields` on every line;
     SIGUSR1 dumps every thread's stack there."""
-    with contextlib.suppress(io.UnsupportedOperation, ValueError):  # a stderr with no descriptor (captured): no dumps
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr.fileno(), all_threads=True)
+    stacks_on_sigusr1()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(LogfmtFormatter(service, fields))
     for name in ("lorafleet", f"lorafleet_{service}", *loggers):
@@ -58,6 +57,13 @@ def configure(service: str, level: str = "INFO", *, loggers: tuple[str, ...] = (
         logger.handlers[:] = [handler]
         logger.setLevel(level)
         logger.propagate = False
+
+
+def stacks_on_sigusr1() -> None:
+    """From now on SIGUSR1 writes every thread's stack to stderr (the log) and the process goes on: what
+    `configure` sets up, and what a process that logs without it (the trainer's rollout child) calls itself."""
+    with contextlib.suppress(io.UnsupportedOperation, ValueError):  # a stderr with no descriptor (captured): no dumps
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr.fileno(), all_threads=True)
 
 
 def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: Any) -> None:

@@ -16,13 +16,14 @@ the trainer imports its own, and at train begin the child is forked from it, rea
 
 from __future__ import annotations
 
-import faulthandler
 import multiprocessing
 import os
 import signal
 import sys
 from multiprocessing import forkserver, resource_tracker
 from multiprocessing.context import ForkServerContext, ForkServerProcess
+
+from lorafleet.logs import stacks_on_sigusr1
 
 from lorafleet_trainer.early_stop import STOP_SIGNALS
 from lorafleet_trainer.ranks import die_with_parent
@@ -52,7 +53,7 @@ class ShieldedProcess(ForkServerProcess):
 
     def run(self) -> None:
         die_with_parent(os.getppid())  # the server
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # its stacks on demand, as the trainer's (logs.py)
+        stacks_on_sigusr1()  # its stacks on demand, as the trainer's
         trainer = multiprocessing.parent_process()
         if trainer is not None and not trainer.is_alive():  # it died before the server's death could reach us
             os._exit(1)

@@ -36,6 +36,7 @@ from lorafleet_testing.chaos.nemesis import Nemesis, fault_stream
 from lorafleet_testing.chaos.observe import Observer
 from lorafleet_testing.chaos.relay import Relay
 from lorafleet_testing.chaos.supervisor import ON_FAILURE, UNLESS_STOPPED, Supervised, Supervisor
+from lorafleet_testing.pids import catching
 
 log = logging.getLogger(__name__)
 HEAL_TIMEOUT_S = 300.0
@@ -153,24 +154,10 @@ def _dump_stacks(stuck: list[Supervised]) -> None:
     a short run's log tail. The others (a fork server, multiprocessing's resource tracker) would die of it."""
     for each in stuck:
         if each.service.alive:
-            for pid in _catching(each.service.pid, signal.SIGUSR1):
+            for pid in catching(each.service.pid, signal.SIGUSR1):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGUSR1)
     time.sleep(2.0)
-
-
-def _catching(group: int, sig: signal.Signals) -> list[int]:
-    """The processes of process group `group` with a handler for `sig` (bit sig - 1 of SigCgt in /proc/PID/status)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, StopIteration):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != group:  # after the name: state, ppid, pgrp
-                continue
-            status = (stat.parent / "status").read_text().splitlines()
-            caught = int(next(line.split()[1] for line in status if line.startswith("SigCgt:")), 16)
-            if caught >> (sig - 1) & 1:
-                found.append(int(stat.parent.name))
-    return found
 
 
 def _progress(root: Path, runs: tuple[str, ...]) -> Callable[[], int]:
